@@ -1,0 +1,49 @@
+"""What every engine offers: prepare(step) -> plan, run(q, plan) -> out."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from pkv.cache import PagedCache
+from pkv.harness import StepState
+from pkv.schedule import Counters
+from pkv.validate import check_lengths, check_query
+
+
+@dataclass
+class Plan:
+    """Host-side result of prepare(): the route taken, its launch count and counters."""
+
+    step: StepState
+    route: str
+    launches: int
+    counters: Counters | None
+
+
+class Engine(ABC):
+    """Decode attention over a PagedCache for one step at a time.
+
+    prepare() does all host work a serving loop would redo each step (metadata, planning);
+    run() only launches device work. Both are inside the timed wall region.
+    """
+
+    name: str = "engine"
+
+    def __init__(self, cache: PagedCache):
+        self.cache = cache
+
+    def check_step(self, step: StepState) -> None:
+        reserved = self.cache.assignment.reserved_len[step.request_ids]
+        check_lengths(step.seq_lens, reserved)
+
+    def check_query(self, q: torch.Tensor, plan: Plan) -> None:
+        check_query(q, self.cache.shape, plan.step.active, self.cache.device)
+
+    @abstractmethod
+    def prepare(self, step: StepState) -> Plan: ...
+
+    @abstractmethod
+    def run(self, q: torch.Tensor, plan: Plan) -> torch.Tensor: ...
