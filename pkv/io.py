@@ -1,0 +1,118 @@
+"""Parquet results with provenance, written atomically.
+
+Every file carries, as key-value metadata: git commit, host, GPU name (or "cpu"), SM
+count, driver, CUDA, torch and FlashInfer versions, config hash and constants hash.
+A file appears under its final name only once it is complete (temp file + rename).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+PROVENANCE_KEYS = (
+    "git_commit", "host", "gpu", "sm_count", "driver", "cuda", "torch", "flashinfer", "config_hash", "constants_hash",
+)
+
+
+def file_hash(path: str | Path | None) -> str:
+    """sha256 of a file's bytes (first 16 hex digits), or "none"."""
+    if path is None or not Path(path).is_file():
+        return "none"
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
+def dict_hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+@cache
+def _git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        commit = out.stdout.strip() or "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return commit + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+@cache
+def _device_facts() -> dict:
+    facts = {"gpu": "cpu", "sm_count": "0", "driver": "none", "cuda": str(torch.version.cuda or "none")}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        facts.update(gpu=props.name, sm_count=str(props.multi_processor_count))
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=20)
+            facts["driver"] = out.stdout.strip().splitlines()[0] if out.stdout.strip() else "unknown"
+        except (OSError, subprocess.SubprocessError):
+            facts["driver"] = "unknown"
+    return facts
+
+
+def _flashinfer_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("flashinfer-python")
+    except Exception:  # noqa: BLE001 - any failure means "not installed" here
+        return "none"
+
+
+def provenance(config_hash: str = "none", constants_hash: str = "none") -> dict[str, str]:
+    return {
+        "git_commit": _git_commit(),
+        "host": platform.node(),
+        **_device_facts(),
+        "torch": torch.__version__,
+        "flashinfer": _flashinfer_version(),
+        "config_hash": config_hash,
+        "constants_hash": constants_hash,
+    }
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
+
+
+def write_parquet(frame: pd.DataFrame, path: str | Path, meta: dict[str, str]) -> None:
+    """Write `frame` with `meta` (provenance and anything else) as file metadata, atomically."""
+    table = pa.Table.from_pandas(frame, preserve_index=False)
+    merged = {**(table.schema.metadata or {}), **{f"pkv.{k}".encode(): str(v).encode() for k, v in meta.items()}}
+    table = table.replace_schema_metadata(merged)
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    atomic_write_bytes(path, sink.getvalue().to_pybytes())
+
+
+def read_meta(path: str | Path) -> dict[str, str]:
+    raw = pq.read_schema(path).metadata or {}
+    return {k.decode()[4:]: v.decode() for k, v in raw.items() if k.startswith(b"pkv.")}
