@@ -47,15 +47,20 @@ def build_schedule(kind: str, seq_lens, num_kv_heads: int, policy: SplitPolicy, 
 class TaskListEngine(Engine):
     """The PersistentKV algorithm in torch: the scheduler's tasks, then the segmented merge."""
 
-    def __init__(self, cache, kind: str, policy: SplitPolicy, row_local: bool = True, num_sms: int = 1):
+    def __init__(self, cache, kind: str, policy: SplitPolicy, row_local: bool = True, indexed_qo: bool = True,
+                 early_exit: bool = True, num_sms: int = 1):
         super().__init__(cache)
+        # early_exit changes only how the kernels spend time, not the math executed here.
         self.kind, self.policy, self.row_local, self.num_sms = kind, policy, row_local, num_sms
+        self.indexed_qo, self.early_exit = indexed_qo, early_exit
         self.name = f"pkv-{kind}"
 
     def prepare(self, step: StepState) -> TablePlan:
         self.check_step(step)
         schedule = build_schedule(self.kind, step.seq_lens, self.cache.shape.num_kv_heads, self.policy, self.row_local)
-        counters = schedule.counters(self.cache.shape, step.seq_lens, self.num_sms)
+        # Without indexed Q/O each bucket launch needs a gather of Q and a scatter of O.
+        extra = 0 if self.indexed_qo or self.kind != "bucket" else 2 * len(schedule.launches)
+        counters = schedule.counters(self.cache.shape, step.seq_lens, self.num_sms, extra)
         ids = torch.as_tensor(step.request_ids, device=self.cache.device)
         return TablePlan(step, f"{self.name}/s{self.policy.splits}", counters.launches, counters,
                          self.cache.block_table[ids], torch.as_tensor(step.seq_lens), schedule)
