@@ -1,0 +1,107 @@
+// The one torch-facing file: unpacks tensors into pkv::DecodeParams / MergeParams and
+// launches on the current stream. Shape and range checks live in pkv/engines/gpu.py;
+// here only what would otherwise be undefined behaviour is checked.
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+#include "pkv_decode.h"
+
+namespace {
+
+pkv::DType dtype_of(const at::Tensor& t) {
+  if (t.scalar_type() == at::kHalf) return pkv::DType::kFloat16;
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16, "pkv: only float16 and bfloat16 are supported");
+  return pkv::DType::kBFloat16;
+}
+
+const int* meta_ptr(const at::Tensor& meta, int64_t off) {
+  if (off < 0) return nullptr;
+  TORCH_CHECK(off < meta.numel(), "pkv: metadata offset out of range");
+  return meta.data_ptr<int>() + off;
+}
+
+void check_cuda(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "pkv: ", name, " must be a contiguous CUDA tensor");
+}
+
+void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& meta,
+            const at::Tensor& out, const at::Tensor& partial, const at::Tensor& counters, c10::IntArrayRef offs,
+            c10::IntArrayRef dims) {
+  check_cuda(q, "q"); check_cuda(kv, "kv"); check_cuda(block_table, "block_table"); check_cuda(meta, "meta");
+  check_cuda(out, "out");
+  TORCH_CHECK(offs.size() == 5 && dims.size() == 9, "pkv.decode: offs[5], dims[9] expected");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(), "pkv: dtype mismatch");
+  TORCH_CHECK(meta.scalar_type() == at::kInt && block_table.scalar_type() == at::kInt, "pkv: int32 metadata expected");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && q.dim() == 3, "pkv: kv[pages,2,Hkv,P,D] and q[B,Hq,D] expected");
+  const int head_dim = static_cast<int>(kv.size(4));
+  const at::cuda::CUDAGuard guard(q.device());
+
+  pkv::DecodeParams p{};
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.kv = kv.data_ptr();
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.size(1);
+  p.seq_lens = meta_ptr(meta, offs[0]);
+  p.req_ids = meta_ptr(meta, offs[1]);
+  p.rows = meta_ptr(meta, offs[2]);
+  p.tasks = meta_ptr(meta, offs[3]);
+  p.seg_offsets = meta_ptr(meta, offs[4]);
+  p.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
+  p.counters = counters.numel() ? counters.data_ptr<int>() : nullptr;
+  p.num_rows = static_cast<int>(dims[0]);
+  p.splits = static_cast<int>(dims[1]);
+  p.num_slots = static_cast<int>(dims[2]);
+  p.bound_len = static_cast<int>(dims[3]);
+  p.num_kv_heads = static_cast<int>(kv.size(2));
+  p.group = static_cast<int>(dims[4]);
+  p.page_shift = static_cast<int>(dims[5]);
+  p.qo_indexed = static_cast<int>(dims[6]);
+  p.early_exit = static_cast<int>(dims[7]);
+  p.mode = static_cast<pkv::OutMode>(dims[8]);
+  p.scale_log2 = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(head_dim)));
+  TORCH_CHECK(p.seq_lens && p.req_ids && (p.rows || p.tasks), "pkv.decode: missing metadata");
+  TORCH_CHECK(p.mode == pkv::OutMode::kDirect || p.partial, "pkv.decode: partial workspace needed");
+  TORCH_CHECK(p.mode != pkv::OutMode::kFused || (p.counters && p.seg_offsets), "pkv.decode: fused needs counters");
+  const cudaError_t err = pkv::launch_decode(p, dtype_of(q), head_dim, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "pkv.decode launch failed: ", cudaGetErrorString(err));
+}
+
+void merge(const at::Tensor& partial, const at::Tensor& meta, const at::Tensor& out, int64_t seg_off, int64_t rows_off,
+           int64_t num_rows, int64_t num_kv_heads, int64_t num_slots, int64_t group, int64_t qo_indexed) {
+  check_cuda(partial, "partial"); check_cuda(meta, "meta"); check_cuda(out, "out");
+  TORCH_CHECK(partial.scalar_type() == at::kFloat && meta.scalar_type() == at::kInt, "pkv.merge: dtypes");
+  const at::cuda::CUDAGuard guard(out.device());
+  pkv::MergeParams p{};
+  p.partial = partial.data_ptr<float>();
+  p.seg_offsets = meta_ptr(meta, seg_off);
+  p.rows = meta_ptr(meta, rows_off);
+  p.out = out.data_ptr();
+  p.num_rows = static_cast<int>(num_rows);
+  p.num_kv_heads = static_cast<int>(num_kv_heads);
+  p.group = static_cast<int>(group);
+  p.num_slots = static_cast<int>(num_slots);
+  p.qo_indexed = static_cast<int>(qo_indexed);
+  TORCH_CHECK(p.seg_offsets && (p.rows || !p.qo_indexed), "pkv.merge: missing metadata");
+  const cudaError_t err = pkv::launch_merge(p, dtype_of(out), static_cast<int>(out.size(2)),
+                                            c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "pkv.merge launch failed: ", cudaGetErrorString(err));
+}
+
+}  // namespace
+
+TORCH_LIBRARY(pkv, m) {
+  m.def("decode(Tensor q, Tensor kv, Tensor block_table, Tensor meta, Tensor(a!) out, Tensor(b!) partial, "
+        "Tensor(c!) counters, int[] offs, int[] dims) -> ()");
+  m.def("merge(Tensor partial, Tensor meta, Tensor(a!) out, int seg_off, int rows_off, int num_rows, "
+        "int num_kv_heads, int num_slots, int group, int qo_indexed) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
+  m.impl("decode", &decode);
+  m.impl("merge", &merge);
+}
