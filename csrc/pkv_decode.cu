@@ -93,29 +93,86 @@ template <int D> struct Cfg {
   }
 };
 
-// Weighted merge of partial states [lo, hi) of one segment into out rows; used by the
-// merge kernel and by the last CTA of a segment in the fused variant (volatile-free
-// __ldcg reads: the slots were written by other SMs during this launch).
+// Partial-state layout: m [slots*G] | l [slots*G] | acc [slots*G*D] from a 16-byte boundary.
+__host__ __device__ __forceinline__ int64_t acc_offset(int num_slots, int G) {
+  return (2 * static_cast<int64_t>(num_slots) * G + 3) / 4 * 4;
+}
+
+constexpr int kMaxSegSlots = 256;  // slots per (row, kv head); the engine enforces splits <= this
+constexpr int kMergeThreads = 256;
+
+// Exact merge of the partial states [lo, hi) of one segment into its G output heads.
+// Shared by the merge kernel and the last CTA of a segment in the fused variant (which
+// reads with __ldcg: the slots were written by other SMs during the same launch).
+// Weights exp2(m_s - m) / sum_s exp2(m_s - m) l_s are computed once in shared memory;
+// then threads own float4 columns of acc and stream the slots with 8 loads in flight.
 template <typename T, int D, bool kCoherent>
-__device__ void merge_segment(const float* partial, int num_slots, int group, int lo, int hi, T* out_heads) {
-  const float* m = partial;
-  const float* l = partial + static_cast<int64_t>(num_slots) * group;
-  const float* acc = partial + 2 * static_cast<int64_t>(num_slots) * group;
-  auto ld = [](const float* p) { return kCoherent ? __ldcg(p) : *p; };
-  for (int e = threadIdx.x * 2; e < group * D; e += blockDim.x * 2) {
-    const int h = e / D;
+__device__ void merge_segment(const float* partial, int num_slots, int G, int lo, int hi, T* out_heads,
+                              float* s_w /* kMaxSegSlots * 8 */, float4* s_red /* blockDim.x */) {
+  const int n = hi - lo, tid = threadIdx.x, nt = blockDim.x;
+  const float* m = partial + static_cast<int64_t>(lo) * G;
+  const float* l = partial + static_cast<int64_t>(num_slots) * G + static_cast<int64_t>(lo) * G;
+  const float4* acc = reinterpret_cast<const float4*>(partial + acc_offset(num_slots, G)) +
+                      static_cast<int64_t>(lo) * G * (D / 4);
+  auto ld = [](const float* q) { return kCoherent ? __ldcg(q) : __ldg(q); };
+  __shared__ float s_max[8], s_inv[8];
+  for (int i = tid; i < n * G; i += nt) s_w[i] = ld(m + i);
+  __syncthreads();
+  if (tid < G) {
     float mx = -INFINITY;
-    for (int s = lo; s < hi; ++s) mx = fmaxf(mx, ld(m + s * group + h));
-    float den = 0.f, a0 = 0.f, a1 = 0.f;
-    for (int s = lo; s < hi; ++s) {
-      const float ms = ld(m + s * group + h);
-      const float w = ms == -INFINITY ? 0.f : exp2f(ms - mx);
-      den += w * ld(l + s * group + h);
-      const float* a = acc + (static_cast<int64_t>(s) * group) * D + e;
-      a0 += w * ld(a);
-      a1 += w * ld(a + 1);
+    for (int s = 0; s < n; ++s) mx = fmaxf(mx, s_w[s * G + tid]);
+    float den = 0.f;
+    for (int s = 0; s < n; ++s) {
+      const float ms = s_w[s * G + tid];
+      den += (ms == -INFINITY ? 0.f : exp2f(ms - mx)) * ld(l + s * G + tid);
     }
-    Mma<T>::store2(out_heads + e, a0 / den, a1 / den);
+    s_max[tid] = mx;
+    s_inv[tid] = 1.f / den;
+  }
+  __syncthreads();
+  for (int i = tid; i < n * G; i += nt) {
+    const float ms = s_w[i];
+    s_w[i] = ms == -INFINITY ? 0.f : exp2f(ms - s_max[i % G]) * s_inv[i % G];
+  }
+  __syncthreads();
+
+  const int cols = G * D / 4;                      // float4 columns of acc per slot
+  const int lanes = cols >= nt ? 1 : nt / cols;    // threads splitting one column's slots
+  for (int c0 = 0; c0 < cols; c0 += nt / lanes) {
+    const int c = c0 + tid % (nt / lanes), r = tid / (nt / lanes);
+    const int h = c / (D / 4);
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < cols && r < lanes) {
+      for (int s0 = r; s0 < n; s0 += 8 * lanes) {
+        float4 v[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          // Clamped (weight 0 past n) rather than branched: all 8 loads issue back to back.
+          const float4* src = acc + static_cast<int64_t>(min(s0 + u * lanes, n - 1)) * cols + c;
+          v[u] = kCoherent ? __ldcg(src) : __ldg(src);
+        }
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int s = s0 + u * lanes;
+          const float w = s < n ? s_w[s * G + h] : 0.f;
+          sum.x += w * v[u].x; sum.y += w * v[u].y; sum.z += w * v[u].z; sum.w += w * v[u].w;
+        }
+      }
+    }
+    if (lanes > 1) {
+      s_red[tid] = sum;
+      __syncthreads();
+      if (r == 0 && c < cols)
+        for (int k = 1; k < lanes; ++k) {
+          const float4 o = s_red[k * (nt / lanes) + tid];
+          sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
+        }
+      __syncthreads();
+    }
+    if (r == 0 && c < cols) {
+      Mma<T>::store2(out_heads + 4 * c, sum.x, sum.y);
+      Mma<T>::store2(out_heads + 4 * c + 2, sum.z, sum.w);
+    }
   }
 }
 
@@ -125,6 +182,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_last;
 
+  // Let a programmatic dependent (the merge) launch once every CTA has started; it
+  // still waits for this grid's completion before reading anything.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int H = p.num_kv_heads, G = p.group, Hq = H * G;
   const int slot = blockIdx.x;
@@ -152,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   const int G_D = G * D;
   float* part_m = p.partial;
   float* part_l = p.partial + static_cast<int64_t>(p.num_slots) * G;
-  float* part_acc = p.partial + 2 * static_cast<int64_t>(p.num_slots) * G;
+  float* part_acc = p.partial + acc_offset(p.num_slots, G);
 
   if (t_begin >= t_end && p.early_exit) {
     // Zero-tile early exit: neutral state, no Q load, no shared-memory staging.
@@ -164,17 +224,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   } else {
     const int gid = lane >> 2, t4 = lane & 3;
     const int valid_end = min(t_end, p.seq_lens[row]);  // later tokens are read and masked
-
-    // Q as A fragments: row gid = query head gid of this group, zero past G.
-    uint32_t qa[D / 16][2];
-    {
-      const T* qh = reinterpret_cast<const T*>(p.q) + (static_cast<int64_t>(qo_row) * Hq + kvh * G + gid) * D;
-#pragma unroll
-      for (int k = 0; k < D / 16; ++k) {
-        qa[k][0] = gid < G ? *reinterpret_cast<const uint32_t*>(qh + 16 * k + 2 * t4) : 0u;
-        qa[k][1] = gid < G ? *reinterpret_cast<const uint32_t*>(qh + 16 * k + 8 + 2 * t4) : 0u;
-      }
-    }
 
     const int P = 1 << p.page_shift;
     const int* bt = p.block_table + static_cast<int64_t>(p.req_ids[row]) * p.bt_stride;
@@ -189,12 +238,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     unsigned char* wbase = smem + warp * C::kStages * C::kStageBytes;
     const uint32_t wbase_s = smem_addr(wbase);
 
-    auto issue = [&](int j) {
+    // Pages of >= 16 tokens hold a whole (16-aligned) chunk: one block-table lookup per
+    // chunk, loaded an iteration ahead of its use so its latency hides behind the math.
+    auto chunk_page = [&](int j) {
+      return P >= kChunk && j < my_chunks ? __ldg(bt + ((t_begin + (warp + j * kWarps) * kChunk) >> p.page_shift)) : 0;
+    };
+    auto issue = [&](int j, int page0) {
       if (j < my_chunks) {
         const int tok0 = t_begin + (warp + j * kWarps) * kChunk;
         const uint32_t stage = wbase_s + (j % C::kStages) * C::kStageBytes;
-        // Pages of >= 16 tokens hold a whole (16-aligned) chunk: one lookup.
-        const int page0 = P >= kChunk ? __ldg(bt + (tok0 >> p.page_shift)) : 0;
 #pragma unroll
         for (int it = 0; it < kChunk * C::kPieces / 32; ++it) {
           const int idx = it * 32 + lane;
@@ -217,9 +269,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     float m_run = -INFINITY, l_run = 0.f;
 
 #pragma unroll
-    for (int j = 0; j < C::kStages - 1; ++j) issue(j);
+    for (int j = 0; j < C::kStages - 1; ++j) issue(j, chunk_page(j));
+
+    // Q as A fragments (row gid = query head gid of the group, zero past G), loaded
+    // after the first KV copies are in flight so the two latencies overlap.
+    uint32_t qa[D / 16][2];
+    {
+      const T* qh = reinterpret_cast<const T*>(p.q) + (static_cast<int64_t>(qo_row) * Hq + kvh * G + gid) * D;
+#pragma unroll
+      for (int k = 0; k < D / 16; ++k) {
+        qa[k][0] = gid < G ? *reinterpret_cast<const uint32_t*>(qh + 16 * k + 2 * t4) : 0u;
+        qa[k][1] = gid < G ? *reinterpret_cast<const uint32_t*>(qh + 16 * k + 8 + 2 * t4) : 0u;
+      }
+    }
 
     for (int j = 0; j < my_chunks; ++j) {
+      const int next_page = chunk_page(j + C::kStages - 1);
       cp_async_wait<C::kStages - 2>();
       __syncwarp();
       const uint32_t k_s = wbase_s + (j % C::kStages) * C::kStageBytes;
@@ -277,7 +342,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
       }
       __syncwarp();  // every lane is done with this stage before it is refilled
-      issue(j + C::kStages - 1);
+      issue(j + C::kStages - 1, next_page);
     }
     cp_async_wait<0>();
     l_run += __shfl_xor_sync(0xffffffffu, l_run, 1);
@@ -337,20 +402,29 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
     if (s_last) {
       __threadfence();
       T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(qo_row) * Hq + kvh * G) * D;
-      merge_segment<T, D, true>(p.partial, p.num_slots, G, lo, hi, out);
+      // The pipeline buffers are idle now: weights, then the cross-thread reduction.
+      float* s_w = reinterpret_cast<float*>(smem);
+      merge_segment<T, D, true>(p.partial, p.num_slots, G, lo, hi, out, s_w,
+                                reinterpret_cast<float4*>(s_w + kMaxSegSlots * 8));
       if (threadIdx.x == 0) p.counters[seg] = 0;
     }
   }
 }
 
 template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) merge_kernel(const MergeParams p) {
+__global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
+  // Launched as a programmatic dependent of the decode grid: wait until its partial
+  // states are complete and visible (the launch itself overlapped the decode's tail).
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
   const int seg = blockIdx.x;
   const int i = seg / p.num_kv_heads, kvh = seg % p.num_kv_heads;
   const int out_row = p.qo_indexed ? p.rows[i] : i;
   const int Hq = p.num_kv_heads * p.group;
   T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(out_row) * Hq + kvh * p.group) * D;
-  merge_segment<T, D, false>(p.partial, p.num_slots, p.group, p.seg_offsets[seg], p.seg_offsets[seg + 1], out);
+  __shared__ float s_w[kMaxSegSlots * 8];
+  __shared__ float4 s_red[kMergeThreads];
+  merge_segment<T, D, false>(p.partial, p.num_slots, p.group, p.seg_offsets[seg], p.seg_offsets[seg + 1], out, s_w,
+                             s_red);
 }
 
 template <typename T, int D>
@@ -364,8 +438,17 @@ cudaError_t decode_typed(const DecodeParams& p, cudaStream_t stream) {
 
 template <typename T, int D>
 cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
-  merge_kernel<T, D><<<p.num_rows * p.num_kv_heads, kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_rows * p.num_kv_heads);
+  cfg.blockDim = dim3(kMergeThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, merge_kernel<T, D>, p);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace

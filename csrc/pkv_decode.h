@@ -28,7 +28,7 @@ struct DecodeParams {
   const int* rows;          // grid: [num_rows] launch row -> batch row; null in queue mode
   const int* tasks;         // queue: [num_tasks, 5] (row, kv_head, split, t_begin, t_end); null in grid mode
   const int* seg_offsets;   // fused only: slot range of segment (launch row, kv head)
-  float* partial;           // m [slots*G] | l [slots*G] | acc [slots*G*D]
+  float* partial;           // m [slots*G] | l [slots*G] | acc [slots*G*D] (acc 16-byte aligned, see .cu)
   int* counters;            // fused only: one per segment, zero between launches
   int num_rows;             // grid rows (launch rows) or, in queue mode, batch rows
   int splits;               // grid only

@@ -19,12 +19,13 @@ from pkv.engines.base import Engine, Plan
 from pkv.engines.cpu import build_schedule
 from pkv.harness import StepState
 from pkv.paging import flashinfer_view
-from pkv.schedule import Launch, Schedule, SplitPolicy
+from pkv.schedule import TILE_TOKENS, Counters, Schedule, SplitPolicy, num_tiles
 from pkv.validate import check_kv
 
 PKV_ENGINES = {"pkv-bucket": "bucket", "pkv-masked": "masked", "pkv-workqueue": "workqueue", "pkv-fused": "workqueue"}
 OTHER_ENGINES = ("flashinfer", "flashinfer-tc", "flashinfer-persistent", "sdpa-repack")
 MODE_DIRECT, MODE_PARTIAL, MODE_FUSED = 0, 1, 2
+MAX_SPLITS = 256  # kMaxSegSlots in csrc/pkv_decode.cu
 
 
 def num_sms(device: torch.device) -> int:
@@ -48,6 +49,63 @@ def to_device_int32(parts: list[np.ndarray], device: torch.device) -> torch.Tens
     return host.to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class KernelLaunch:
+    """What one decode launch needs from a pkv.schedule.Launch, built with few host ops.
+
+    Grid launches carry no task array: the kernel derives each CTA's token range with
+    pkv.schedule.split_bounds from `splits` and the row's length (or `bound`).
+    """
+
+    queue: bool
+    rows: np.ndarray                 # int32 launch row -> batch row
+    splits: int
+    bound: int                       # longest row of the launch (bound when row-local is off)
+    num_tasks: int
+    needs_merge: bool
+    seg_offsets: np.ndarray | None   # int32 [rows * H + 1] when merging
+    tasks: np.ndarray | None         # int32 [num_tasks, 5] in queue mode
+
+
+def kernel_launches(kind: str, seq_lens: np.ndarray, num_kv_heads: int, policy: SplitPolicy) -> list[KernelLaunch]:
+    """The launches of pkv.schedule's `kind` schedule (same order, splits, tasks, slots)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    h = num_kv_heads
+    if kind == "workqueue":
+        tiles = num_tiles(lens)
+        longest = int(lens.max())
+        chunk = -(-num_tiles(longest) // policy.for_length(longest))
+        row_splits = -(-tiles // chunk)
+        per_seg = np.repeat(row_splits, h)
+        seg = np.zeros(len(per_seg) + 1, dtype=np.int64)
+        np.cumsum(per_seg, out=seg[1:])
+        total = int(seg[-1])
+        seg_id = np.repeat(np.arange(len(per_seg)), per_seg)
+        split = np.arange(total) - seg[seg_id]
+        row = seg_id // h
+        tiles_per_split = (-(-tiles // row_splits))[row]
+        tasks = np.empty((total, 5), dtype=np.int32)
+        tasks[:, 0], tasks[:, 1], tasks[:, 2] = row, seg_id % h, split
+        tasks[:, 3] = np.minimum(split * tiles_per_split * TILE_TOKENS, lens[row])
+        tasks[:, 4] = np.minimum((split + 1) * tiles_per_split * TILE_TOKENS, lens[row])
+        rows = np.arange(len(lens), dtype=np.int32)
+        return [KernelLaunch(True, rows, int(row_splits.max()), longest, total, bool(row_splits.max() > 1),
+                             seg.astype(np.int32), tasks)]
+    if kind == "masked":
+        groups = [(np.arange(len(lens), dtype=np.int32), int(lens.max()))]
+    elif kind == "bucket":
+        groups = [(np.flatnonzero(lens == n).astype(np.int32), int(n)) for n in np.unique(lens)[::-1]]
+    else:
+        raise ValueError(f"unknown schedule kind {kind!r}")
+    out = []
+    for rows, longest in groups:
+        splits = policy.for_length(longest)
+        n = len(rows) * h * splits
+        seg = np.arange(0, n + 1, splits, dtype=np.int32) if splits > 1 else None
+        out.append(KernelLaunch(False, rows, splits, longest, n, splits > 1, seg, None))
+    return out
+
+
 @dataclass
 class LaunchArgs:
     """Kernel arguments of one decode launch (and its merge), offsets into the metadata."""
@@ -62,14 +120,33 @@ class LaunchArgs:
     gather: bool  # bucket launch without indexed Q/O: index_select Q, index_copy_ O
 
 
-@dataclass
 class PkvPlan(Plan):
-    meta: torch.Tensor = None
-    args: list[LaunchArgs] = field(default_factory=list)
-    schedule: Schedule | None = None
-    partial: torch.Tensor | None = None
-    counters_buf: torch.Tensor | None = None
-    gather_rows: list[torch.Tensor] = field(default_factory=list)
+    """A PersistentKV step plan. Its counters come from the full pkv.schedule Schedule,
+    built on first access: diagnostics stay out of the serving path that prepare() times."""
+
+    def __init__(self, step: StepState, route: str, launches: int, counter_args: tuple, meta: torch.Tensor,
+                 args: list[LaunchArgs], partial: torch.Tensor, counters_buf: torch.Tensor,
+                 gather_rows: list[torch.Tensor]):
+        self.step, self.route, self.launches = step, route, launches
+        self.meta, self.args, self.partial, self.counters_buf, self.gather_rows = (
+            meta, args, partial, counters_buf, gather_rows)
+        self._counter_args = counter_args
+        self._schedule: Schedule | None = None
+        self._counters: Counters | None = None
+
+    @property
+    def schedule(self) -> Schedule:
+        if self._schedule is None:
+            kind, h, policy, row_local = self._counter_args[:4]
+            self._schedule = build_schedule(kind, self.step.seq_lens, h, policy, row_local)
+        return self._schedule
+
+    @property
+    def counters(self) -> Counters:
+        if self._counters is None:
+            shape, sms, extra = self._counter_args[4:]
+            self._counters = self.schedule.counters(shape, self.step.seq_lens, sms, extra)
+        return self._counters
 
 
 class PkvEngine(Engine):
@@ -90,6 +167,8 @@ class PkvEngine(Engine):
             raise ValueError(f"{name} supports GQA group sizes 1, 2, 4, 8, got {s.group}")
         self.name, self.kind, self.fused = name, PKV_ENGINES[name], name == "pkv-fused"
         self.policy = policy or default_policy(cache)
+        if self.policy.splits > MAX_SPLITS:
+            raise ValueError(f"{name} supports at most {MAX_SPLITS} splits, got {self.policy.splits}")
         self.indexed_qo, self.row_local, self.early_exit = indexed_qo, row_local, early_exit
         self.num_sms = num_sms(cache.device)
         self.page_shift = s.page_size.bit_length() - 1
@@ -101,51 +180,44 @@ class PkvEngine(Engine):
     def prepare(self, step: StepState) -> PkvPlan:
         self.check_step(step)
         s = self.cache.shape
-        h = s.num_kv_heads
-        schedule = build_schedule(self.kind, step.seq_lens, h, self.policy, self.row_local)
+        launches = kernel_launches(self.kind, step.seq_lens, s.num_kv_heads, self.policy)
         gathers = self.kind == "bucket" and not self.indexed_qo
-        extra = 2 * len(schedule.launches) if gathers else 0
-        counters = schedule.counters(s, step.seq_lens, self.num_sms, extra)
-
+        batch = len(step.seq_lens)
         parts = [np.asarray(step.seq_lens, dtype=np.int32), np.asarray(step.request_ids, dtype=np.int32)]
-        pos = len(step.seq_lens) * 2
+        pos = 2 * batch
         args, max_slots, max_segs = [], 0, 0
-        for launch in schedule.launches:
+        for launch in launches:
             rows_off, pos = pos, pos + len(launch.rows)
             parts.append(launch.rows)
             mode = MODE_DIRECT if not launch.needs_merge else (MODE_FUSED if self.fused else MODE_PARTIAL)
-            seg_off = -1
+            seg_off = tasks_off = -1
             if mode != MODE_DIRECT:
                 seg_off, pos = pos, pos + len(launch.seg_offsets)
                 parts.append(launch.seg_offsets)
-            tasks_off = -1
-            if launch.kind == "queue":
+                max_slots = max(max_slots, launch.num_tasks)
+                max_segs = max(max_segs, len(launch.seg_offsets) - 1)
+            if launch.queue:
                 tasks_off, pos = pos, pos + launch.tasks.size
                 parts.append(launch.tasks.ravel())
-            args.append(self._launch_args(launch, 0, len(step.seq_lens), rows_off, seg_off, tasks_off, mode, gathers))
-            max_slots = max(max_slots, launch.num_tasks if mode != MODE_DIRECT else 0)
-            max_segs = max(max_segs, len(launch.seg_offsets) - 1)
+            offs = [0, batch, -1 if launch.queue else rows_off, tasks_off, seg_off if mode == MODE_FUSED else -1]
+            bound = 0 if (launch.queue or self.row_local) else launch.bound
+            dims = [len(launch.rows), launch.splits, launch.num_tasks, bound, s.group, self.page_shift,
+                    0 if gathers else 1, int(self.early_exit), mode]
+            args.append(LaunchArgs(offs, dims, len(launch.rows), launch.num_tasks, mode, rows_off, seg_off, gathers))
 
         meta = to_device_int32(parts, self.cache.device)
-        if self._partial.numel() < max_slots * s.group * (s.head_dim + 2):
-            self._partial = torch.empty(max_slots * s.group * (s.head_dim + 2), dtype=torch.float32,
-                                        device=self.cache.device)
+        need = max_slots * s.group * (s.head_dim + 2) + 4  # + the acc block's 16-byte alignment
+        if max_slots and self._partial.numel() < need:
+            self._partial = torch.empty(need, dtype=torch.float32, device=self.cache.device)
         if self.fused and self._counters.numel() < max_segs:
             self._counters = torch.zeros(max_segs, dtype=torch.int32, device=self.cache.device)
         gather_rows = [meta[a.rows_off:a.rows_off + a.num_rows].long() for a in args] if gathers else []
-        return PkvPlan(step, f"{self.name}/s{self.policy.splits}", counters.launches, counters, meta=meta,
-                       args=args, schedule=schedule, partial=self._partial, counters_buf=self._counters,
-                       gather_rows=gather_rows)
-
-    def _launch_args(self, launch: Launch, seq_off: int, batch: int, rows_off: int, seg_off: int, tasks_off: int,
-                     mode: int, gather: bool) -> LaunchArgs:
-        s = self.cache.shape
-        queue = launch.kind == "queue"
-        offs = [seq_off, seq_off + batch, -1 if queue else rows_off, tasks_off, seg_off if mode == MODE_FUSED else -1]
-        bound = 0 if (queue or self.row_local) else int(launch.bound_len[0])
-        dims = [len(launch.rows), launch.splits, launch.num_tasks, bound, s.group, self.page_shift,
-                0 if gather else 1, int(self.early_exit), mode]
-        return LaunchArgs(offs, dims, len(launch.rows), launch.num_tasks, mode, rows_off, seg_off, gather)
+        merges = sum(a.mode == MODE_PARTIAL for a in args)
+        launches_total = len(args) + merges + (2 * len(args) if gathers else 0)
+        counter_args = (self.kind, s.num_kv_heads, self.policy, self.row_local, s, self.num_sms,
+                        2 * len(args) if gathers else 0)
+        return PkvPlan(step, f"{self.name}/s{self.policy.splits}", launches_total, counter_args, meta, args,
+                       self._partial, self._counters, gather_rows)
 
     def run(self, q: torch.Tensor, plan: PkvPlan) -> torch.Tensor:
         self.check_query(q, plan)
@@ -158,7 +230,7 @@ class PkvEngine(Engine):
             else:
                 q_in, o = q, out
             self.ops.decode(q_in, self.cache.kv, self.cache.block_table, plan.meta, o,
-                            plan.partial if a.mode != MODE_DIRECT else self._partial,
+                            plan.partial if a.mode != MODE_DIRECT else self._empty_f32(),
                             plan.counters_buf if a.mode == MODE_FUSED else self._empty_i32, a.offs, a.dims)
             if a.mode == MODE_PARTIAL:
                 self.ops.merge(plan.partial, plan.meta, o, a.seg_off, a.rows_off, a.num_rows, s.num_kv_heads,
@@ -166,6 +238,9 @@ class PkvEngine(Engine):
             if a.gather:
                 out.index_copy_(0, plan.gather_rows[k], o)
         return out
+
+    def _empty_f32(self) -> torch.Tensor:
+        return self._partial[:0]
 
 
 def _kernel_ops():
