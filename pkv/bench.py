@@ -92,18 +92,8 @@ class Workload:
         self.queries = [cache.query(case.batch, seed + 100 + c) for c, cache in enumerate(self.caches)]
 
 
-def time_engine(work: Workload, name: str, splits: int | None, reps: int) -> dict:
-    """Graph-replay and event medians (µs per call) of one engine, rotating over the copies."""
-    policy = SplitPolicy(splits) if splits else None
-    engines = [make_engine(name, cache, policy=policy) if policy else make_engine(name, cache) for cache in work.caches]
-    plans = [e.prepare(work.step) for e in engines]
-    calls = list(zip(engines, plans, work.queries))
-    for e, p, q in calls * 2:  # warm-up: JIT builds, allocator, caches
-        e.run(q, p)
-    torch.cuda.synchronize()
-
-    events = [_events(lambda e=e, p=p, q=q: e.run(q, p)) for _ in range(reps) for e, p, q in calls]
-    graph_us = math.nan
+def _graph_us(name: str, calls: list, reps: int) -> float:
+    """Median device µs per call by replaying one graph that runs every copy once."""
     try:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -111,10 +101,29 @@ def time_engine(work: Workload, name: str, splits: int | None, reps: int) -> dic
                 e.run(q, p)
         graph.replay()
         torch.cuda.synchronize()
-        graph_us = statistics.median(_events(graph.replay) for _ in range(reps)) / len(calls)
+        return statistics.median(_events(graph.replay) for _ in range(reps)) / len(calls)
     except RuntimeError as err:  # an engine whose run() cannot be captured keeps its event timing
         print(f"  {name}: graph capture failed: {err}", file=sys.stderr)
+        torch.cuda.synchronize()
+        return math.nan
+
+
+def time_engine(work: Workload, name: str, splits: int | None, reps: int, sweep: bool = False) -> dict:
+    """Graph-replay and event medians (µs per call) of one engine, rotating over the copies.
+
+    `sweep` times graph replay only (the split sweep's criterion)."""
+    policy = SplitPolicy(splits) if splits else None
+    engines = [make_engine(name, cache, policy=policy) if policy else make_engine(name, cache) for cache in work.caches]
+    plans = [e.prepare(work.step) for e in engines]
+    calls = list(zip(engines, plans, work.queries))
+    for e, p, q in calls * 2:  # warm-up: JIT builds, allocator, caches
+        e.run(q, p)
     torch.cuda.synchronize()
+    if sweep:
+        return {"graph_us": _graph_us(name, calls, reps)}
+
+    events = [_events(lambda e=e, p=p, q=q: e.run(q, p)) for _ in range(reps) for e, p, q in calls]
+    graph_us = _graph_us(name, calls, reps)
 
     # Host path of one step as a serving loop sees it: prepare + run + synchronize.
     e0, q0 = engines[0], work.queries[0]
@@ -148,7 +157,7 @@ def bench_case(case: Case, engines: list[str], reps: int, roofline: float, candi
         try:
             if name in PKV_ENGINES:
                 for s in candidates:
-                    sweep[s] = time_engine(work, name, s, max(5, reps // 4))["graph_us"]
+                    sweep[s] = time_engine(work, name, s, max(5, reps // 4), sweep=True)["graph_us"]
                 best = min(sweep, key=lambda s: (math.isnan(sweep[s]), sweep[s]))
                 result = time_engine(work, name, best, reps)
             else:
