@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "pkv_decode.h"
+#include "roofline.h"
 
 namespace {
 
@@ -92,6 +93,16 @@ void merge(const at::Tensor& partial, const at::Tensor& meta, const at::Tensor& 
   TORCH_CHECK(err == cudaSuccess, "pkv.merge launch failed: ", cudaGetErrorString(err));
 }
 
+void read_probe(const at::Tensor& src, const at::Tensor& sink, int64_t blocks) {
+  check_cuda(src, "src"); check_cuda(sink, "sink");
+  TORCH_CHECK(sink.scalar_type() == at::kInt && sink.numel() >= blocks * pkv::kReadProbeThreads, "pkv.read_probe: sink");
+  const at::cuda::CUDAGuard guard(src.device());
+  const int64_t bytes = src.numel() * src.element_size();
+  const cudaError_t err = pkv::launch_read_probe(src.data_ptr(), bytes, reinterpret_cast<uint32_t*>(sink.data_ptr<int>()),
+                                                 static_cast<int>(blocks), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "pkv.read_probe launch failed: ", cudaGetErrorString(err));
+}
+
 }  // namespace
 
 TORCH_LIBRARY(pkv, m) {
@@ -99,9 +110,11 @@ TORCH_LIBRARY(pkv, m) {
         "Tensor(c!) counters, int[] offs, int[] dims) -> ()");
   m.def("merge(Tensor partial, Tensor meta, Tensor(a!) out, int seg_off, int rows_off, int num_rows, "
         "int num_kv_heads, int num_slots, int group, int qo_indexed) -> ()");
+  m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
   m.impl("decode", &decode);
   m.impl("merge", &merge);
+  m.impl("read_probe", &read_probe);
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ import torch
 from pkv import io
 from pkv.cache import PagedCache
 from pkv.engines import make_engine
+from pkv.engines.gpu import num_sms
 from pkv.harness import StepState
 from pkv.paging import assign_pages
 from pkv.schedule import SplitPolicy
@@ -62,13 +64,25 @@ CASES = (
 )
 
 
-def read_roofline(gib: float = 4.0, reps: int = 15) -> float:
-    """Streaming read bandwidth in GB/s: median time of a sum over `gib` GiB of fp32."""
+def read_roofline(gib: float = 4.0, reps: int = 15) -> dict[str, float]:
+    """Streaming read bandwidth in GB/s over `gib` GiB: torch's sum and pkv's read probe.
+
+    The roofline is the faster of the two (medians after warm-up): a sum is a lower
+    bound on what a read-only kernel can stream."""
+    from pkv.kernels import ops
+
     x = torch.randn(int(gib * 2**30) // 4, device="cuda")
-    times = [_events(lambda: x.sum()) for _ in range(reps + 3)][3:]
-    del x
+    blocks = 8 * num_sms(x.device)
+    sink = torch.empty(blocks * 512, dtype=torch.int32, device="cuda")
+    probes = {"sum": lambda: x.sum(), "probe": lambda: ops().read_probe(x, sink, blocks)}
+    result = {}
+    for name, fn in probes.items():
+        times = [_events(fn) for _ in range(reps + 3)][3:]
+        result[name] = gib * 2**30 / (statistics.median(times) * 1e-6) / 1e9
+    del x, sink
     torch.cuda.empty_cache()
-    return gib * 2**30 / (statistics.median(times) * 1e-6) / 1e9
+    result["roofline"] = max(result["sum"], result["probe"])
+    return result
 
 
 def _events(fn) -> float:
@@ -187,14 +201,15 @@ def _case_cols(case: Case) -> dict:
                 holes=case.holes, dtype=case.dtype)
 
 
-def markdown(frame: pd.DataFrame, meta: dict, roofline: float, command: str) -> str:
+def markdown(frame: pd.DataFrame, meta: dict, probes: dict[str, float], command: str) -> str:
     lines = [
         "# Isolated decode-attention kernels",
         "",
         f"Command: `{command}`  ",
         f"GPU: {meta['gpu']} ({meta['sm_count']} SMs), driver {meta['driver']}, CUDA {meta['cuda']}, "
         f"torch {meta['torch']}, FlashInfer {meta['flashinfer']}, commit {meta['git_commit']}  ",
-        f"Read roofline (sum over 4 GiB): **{roofline:.0f} GB/s**. Shape: Hq=32, d=128, fp16, page 16, 50% holes; "
+        f"Read roofline: **{probes['roofline']:.0f} GB/s** (4 GiB read once: pkv read probe {probes['probe']:.0f}, "
+        f"torch sum {probes['sum']:.0f}). Shape: Hq=32, d=128, fp16, page 16, 50% holes; "
         "time = device µs per call by CUDA-graph replay (events in parentheses), bytes = useful K+V bytes.",
         "",
         "| case | engine | splits | graph µs | events µs | GB/s | % roofline | wall µs (prepare+run+sync) |",
@@ -216,8 +231,9 @@ def run_kernels(args) -> int:
     engines = args.engines.split(",")
     cases = CASES if not args.cases else [c for i, c in enumerate(CASES) if str(i) in args.cases.split(",")]
     candidates = tuple(int(s) for s in args.splits.split(","))
-    roofline = read_roofline()
-    print(f"read roofline: {roofline:.0f} GB/s", flush=True)
+    probes = read_roofline()
+    roofline = probes["roofline"]
+    print(f"read roofline: {roofline:.0f} GB/s (sum {probes['sum']:.0f}, read probe {probes['probe']:.0f})", flush=True)
     rows = []
     for case in cases:
         print(f"B{case.batch} {case.seq_len // K}K G{case.group}: {case.bytes / 1e6:.1f} MB", flush=True)
@@ -225,8 +241,12 @@ def run_kernels(args) -> int:
     frame = pd.DataFrame(rows)
     meta = io.provenance()
     command = "pkv " + " ".join(sys.argv[1:])
-    io.write_parquet(frame, args.out, {**meta, "roofline_gbps": f"{roofline:.1f}", "command": command})
-    io.atomic_write_text(args.table, markdown(frame, meta, roofline, command))
+    if os.environ.get("PKV_GIT_COMMIT"):  # the device's copy of the tree may carry no git history
+        meta["git_commit"] = os.environ["PKV_GIT_COMMIT"]
+    io.write_parquet(frame, args.out, {**meta, "roofline_gbps": f"{roofline:.1f}",
+                                       "read_sum_gbps": f"{probes['sum']:.1f}",
+                                       "read_probe_gbps": f"{probes['probe']:.1f}", "command": command})
+    io.atomic_write_text(args.table, markdown(frame, meta, probes, command))
     print(f"wrote {args.out} and {args.table}")
     return 0
 
