@@ -11,7 +11,6 @@ import torch
 
 from pkv.bench import Case, Workload, _events, read_roofline
 from pkv.engines import make_engine
-from pkv.engines.gpu import MODE_PARTIAL
 from pkv.schedule import SplitPolicy
 
 
