@@ -13,11 +13,16 @@ PKV_KINDS = {"pkv-bucket": "bucket", "pkv-masked": "masked", "pkv-workqueue": "w
 def make_engine(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **options) -> Engine:
     """Build engine `name` over `cache`.
 
+    "adaptive" takes `constants` (pkv.costmodel.Constants) and `point` (operating point key).
     On a CPU cache the pkv-* engines are the task-list engine (the CUDA kernels' oracle);
     on a CUDA cache they launch the kernels of pkv.kernels.
     """
     if name == "reference":
         return ReferenceEngine(cache)
+    if name == "adaptive":
+        from pkv.engines.adaptive import AdaptiveEngine  # imports this registry for its candidates
+
+        return AdaptiveEngine(cache, **options)
     if name in PKV_KINDS and not cache.kv.is_cuda:
         return TaskListEngine(cache, PKV_KINDS[name], policy or SplitPolicy(8), **options)
     if cache.kv.is_cuda:

@@ -1,0 +1,132 @@
+"""The calibrated roofline route policy of paper §3.5.
+
+For every candidate route r of a decode step
+
+    T_r = KVBytes_r / beta * max(1, C_min / C_r) + L_r * lambda + MergeBytes_r / beta
+
+with C_r the decode CTA work per SM and L_r the launch count. FlashInfer routes are
+estimated with one launch and `baseline_ctas_per_head[r]` CTAs per (row, KV head), the
+effective split its own planner exposes, fitted at calibration. A PersistentKV route
+must pass the eligibility gates (calibrated GQA group, long enough context) and beat the
+best FlashInfer estimate by the promotion margin for the step's active count.
+All constants come from `constants.json` written by `pkv calibrate` on the GPU present.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pkv.schedule import Counters
+from pkv.shape import Shape
+
+
+@dataclass(frozen=True)
+class Constants:
+    device: str
+    beta: float                      # streaming bandwidth, bytes/s
+    launch_s: float                  # lambda, seconds per launch
+    sm_count: int
+    c_min: float                     # occupancy target, CTAs per SM
+    baseline_ctas_per_head: dict     # FlashInfer-like route -> effective CTAs per (row, KV head)
+    margins: tuple                   # ((max_active, margin), ...), ascending max_active
+    supported_groups: tuple
+    min_context: int
+    min_tiles_per_split: int
+    operating_points: dict = field(default_factory=dict)   # "family-bN" -> {"bucket": S, "workqueue": S}
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
+            raise ValueError(f"constants out of range: beta={self.beta}, lambda={self.launch_s}, "
+                             f"sm_count={self.sm_count}, c_min={self.c_min}")
+        if not self.baseline_ctas_per_head:
+            raise ValueError("constants name no baseline route")
+
+    def margin(self, active: int) -> float:
+        for max_active, margin in self.margins:
+            if active <= max_active:
+                return float(margin)
+        return float(self.margins[-1][1])
+
+    def split(self, point: str, kind: str) -> int:
+        """Frozen split of schedule `kind` at operating point `point` (fused uses workqueue's,
+        masked uses bucket's)."""
+        if point not in self.operating_points:
+            raise ValueError(f"no frozen operating point {point!r}; calibrated: {', '.join(sorted(self.operating_points))}")
+        return int(self.operating_points[point][{"fused": "workqueue", "masked": "bucket"}.get(kind, kind)])
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Constants":
+        return cls(
+            device=d["device"], beta=float(d["beta_bytes_per_s"]), launch_s=float(d["launch_overhead_s"]),
+            sm_count=int(d["sm_count"]), c_min=float(d["c_min"]),
+            baseline_ctas_per_head={k: float(v) for k, v in d["baseline_ctas_per_head"].items()},
+            margins=tuple((int(m["max_active"]), float(m["margin"])) for m in d["margins"]),
+            supported_groups=tuple(int(g) for g in d["supported_groups"]), min_context=int(d["min_context"]),
+            min_tiles_per_split=int(d["min_tiles_per_split"]), operating_points=d.get("operating_points", {}),
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Constants":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class RouteCost:
+    """What T_r needs of one route on one step."""
+
+    route: str
+    kv_bytes: float
+    ctas: float
+    launches: int
+    merge_bytes: float
+
+
+def estimate(cost: RouteCost, k: Constants) -> float:
+    occupancy = cost.ctas / k.sm_count
+    stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
+    return cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
+
+
+def baseline_cost(route: str, shape: Shape, seq_lens: np.ndarray, k: Constants) -> RouteCost:
+    """A FlashInfer-like single-launch route reading every useful KV byte once."""
+    kv = float(np.asarray(seq_lens, dtype=np.int64).sum()) * shape.kv_bytes_per_token
+    ctas = len(seq_lens) * shape.num_kv_heads * k.baseline_ctas_per_head[route]
+    return RouteCost(route, kv, ctas, 1, 0.0)
+
+
+def schedule_cost(route: str, counters: Counters) -> RouteCost:
+    """A PersistentKV route costed from its schedule's exact counters."""
+    return RouteCost(route, float(counters.read_kv_bytes), float(counters.decode_ctas), counters.launches,
+                     float(counters.merge_bytes))
+
+
+def eligible(shape: Shape, seq_lens: np.ndarray, k: Constants) -> bool:
+    """The hard gates: calibrated GQA group and a long-context step."""
+    return shape.group in k.supported_groups and int(np.max(seq_lens)) >= k.min_context
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: str
+    estimate_s: float
+    estimates: dict   # route -> T_r, every candidate considered
+
+
+def choose(baselines: list[RouteCost], candidates: list[RouteCost], active: int, k: Constants) -> Decision:
+    """The cheapest baseline, unless the cheapest candidate clears the promotion margin.
+
+    `candidates` must already have passed `eligible`; an empty list keeps the baseline.
+    """
+    if not baselines:
+        raise ValueError("choose() needs at least one baseline route")
+    est = {c.route: estimate(c, k) for c in (*baselines, *candidates)}
+    base = min(baselines, key=lambda c: (est[c.route], c.route)).route
+    if candidates:
+        best = min(candidates, key=lambda c: (est[c.route], c.route)).route
+        if est[base] >= k.margin(active) * est[best]:
+            return Decision(best, est[best], est)
+    return Decision(base, est[base], est)

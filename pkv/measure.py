@@ -1,0 +1,213 @@
+"""The serving measurement loop (paper §3.6, §3.9): one direction, trace to Parquet rows.
+
+For every decode step and every engine, over one PagedCache (same KV bytes and page ids
+for all engines): correctness first (an untimed pass against the baseline engine with
+the paper's tolerance, plus a sampled FP32 reference check), then the timed pass:
+
+- wall_s: time.perf_counter() around prepare() + run() + synchronize (serving-facing);
+- cuda_s: CUDA events around the queued run() work (device diagnostic);
+- graph_s: device time of one CUDA-graph replay of run(), L2 flushed first (no host
+  overhead at all).
+
+On the CPU, cuda_s and graph_s are NaN. Engines are timed in a rotated order per step
+so that no engine always runs first. The column schema is `COLUMNS` (docs/schema.md).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+import torch
+from tqdm import tqdm
+
+from pkv.cache import PagedCache
+from pkv.engines import Engine
+from pkv.harness import StepState
+from pkv.reference import attention_reference, tensor_lens
+
+# Column -> dtype of every measurement row (docs/schema.md explains each).
+COLUMNS = {
+    "stage": "string", "trace": "string", "family": "string", "max_active": "int32", "seed": "int64",
+    "engine": "string", "route": "string", "split": "int32", "group": "int32", "layers": "int32",
+    "step": "int32", "active": "int32", "total_tokens": "int64", "max_len": "int32",
+    "wall_s": "float64", "cuda_s": "float64", "graph_s": "float64", "estimate_s": "float64",
+    "max_abs_err": "float64", "mean_abs_err": "float64", "ref_max_abs_err": "float64", "ref_mean_abs_err": "float64",
+    "launches": "int32", "decode_launches": "float64", "merge_launches": "float64", "extra_launches": "float64",
+    "decode_ctas": "float64", "empty_ctas": "float64", "cta_work_per_sm": "float64",
+    "useful_kv_bytes": "float64", "read_kv_bytes": "float64", "merge_bytes": "float64",
+}
+COUNTER_FIELDS = ("decode_launches", "merge_launches", "extra_launches", "decode_ctas", "empty_ctas",
+                  "useful_kv_bytes", "read_kv_bytes", "merge_bytes")
+L2_FLUSH_BYTES = 256 << 20   # > 2x the L2 of any current GPU
+
+
+class CorrectnessError(RuntimeError):
+    """An engine's output left the tolerance; no timing of that trace is trustworthy."""
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs: float
+    mean_abs: float
+
+
+@dataclass(frozen=True)
+class Job:
+    """Labels every row of one measurement carries."""
+
+    stage: str
+    trace: str
+    family: str
+    max_active: int
+    seed: int
+    group: int
+    split: int = 0     # the split an ablation forced; 0 = the engine's own
+    layers: int = 1
+
+
+def _errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    e = (out.float() - ref.float()).abs()
+    return float(e.max()), float(e.mean())
+
+
+def _check(job: Job, step: int, label: str, against: str, err: tuple[float, float], tol: Tolerance) -> None:
+    if not (err[0] < tol.max_abs and err[1] < tol.mean_abs):
+        raise CorrectnessError(
+            f"{job.trace} step {step}: engine {label} vs {against}: max|e| {err[0]:.3g} (limit {tol.max_abs:g}), "
+            f"mean|e| {err[1]:.3g} (limit {tol.mean_abs:g})")
+
+
+class Timer:
+    """Wall, CUDA-event and CUDA-graph timing of prepare() + `layers` x (run() + tail)."""
+
+    def __init__(self, cuda: bool, graph: bool, layers: int, tail: Callable[[torch.Tensor], torch.Tensor] | None):
+        self.cuda, self.graph, self.layers, self.tail = cuda, graph and cuda, layers, tail
+        self.graph_failed: set[str] = set()
+        if self.cuda:
+            self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _body(self, engine: Engine, q: torch.Tensor, plan) -> torch.Tensor:
+        for _ in range(self.layers):
+            out = engine.run(q, plan)
+            if self.tail is not None:
+                self.tail(out)
+        return out
+
+    def timed(self, engine: Engine, state: StepState, q: torch.Tensor):
+        """(plan, wall_s, cuda_s) of one step."""
+        if self.cuda:
+            self.flush.zero_()
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        plan = engine.prepare(state)
+        if self.cuda:
+            self.start.record()
+        self._body(engine, q, plan)
+        if self.cuda:
+            self.end.record()
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+        return plan, wall, self.start.elapsed_time(self.end) / 1e3 if self.cuda else math.nan
+
+    def graph_time(self, label: str, engine: Engine, q: torch.Tensor, plan, replays: int = 3) -> float:
+        """Median device time of `replays` replays of the captured run(); NaN if capture fails."""
+        if not self.graph or label in self.graph_failed:
+            return math.nan
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        try:
+            with torch.cuda.stream(side):
+                self._body(engine, q, plan)   # warm-up off the capture, as torch recommends
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                self._body(engine, q, plan)
+        except RuntimeError as e:
+            # An engine whose run() cannot be captured still gets wall and event times.
+            print(f"graph capture of {label} failed, graph_s = NaN: {e}", file=sys.stderr)
+            self.graph_failed.add(label)
+            torch.cuda.synchronize()
+            return math.nan
+        times = []
+        for _ in range(replays):
+            self.flush.zero_()
+            self.start.record()
+            graph.replay()
+            self.end.record()
+            torch.cuda.synchronize()
+            times.append(self.start.elapsed_time(self.end) / 1e3)
+        return statistics.median(times)
+
+
+def measure(
+    job: Job,
+    cache: PagedCache,
+    steps: list[StepState],
+    engines: dict[str, Engine],
+    baseline: str,
+    tol: Tolerance,
+    reference_every: int,
+    graph: bool,
+    repeats: int = 1,
+    tail: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> pd.DataFrame:
+    """Rows of COLUMNS, one per (step, engine); raises CorrectnessError before timing a bad step."""
+    if baseline not in engines:
+        raise ValueError(f"baseline engine {baseline!r} is not among {sorted(engines)}")
+    cuda = cache.kv.is_cuda
+    timer = Timer(cuda, graph, job.layers, tail)
+    labels = list(engines)
+    rows = []
+    for i, state in enumerate(tqdm(steps, desc=f"{job.stage} {job.trace}", unit="step", file=sys.stderr,
+                                   mininterval=2.0)):
+        q = cache.query(state.active, seed=job.seed * 1009 + state.step)
+        # Correctness first (untimed; also warms every engine for this step's shapes).
+        base = engines[baseline].run(q, engines[baseline].prepare(state))
+        ref = None
+        if i % reference_every == 0:
+            ref = attention_reference(q, cache.kv, cache.block_table[torch.as_tensor(state.request_ids, device=cache.device)],
+                                      tensor_lens(state.seq_lens, cache.device))
+        errs = {}
+        for label in labels:
+            out = base if label == baseline else engines[label].run(q, engines[label].prepare(state))
+            err = _errors(out, base)
+            _check(job, state.step, label, baseline, err, tol)
+            ref_err = _errors(out, ref) if ref is not None else (math.nan, math.nan)
+            if ref is not None:
+                _check(job, state.step, label, "FP32 reference", ref_err, tol)
+            errs[label] = err + ref_err
+        # Timed pass, engine order rotated per step.
+        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+            engine = engines[label]
+            samples = [timer.timed(engine, state, q) for _ in range(repeats)]
+            plan = samples[-1][0]
+            rows.append(_row(job, state, label, plan, errs[label],
+                             statistics.median(s[1] for s in samples), statistics.median(s[2] for s in samples),
+                             timer.graph_time(label, engine, q, plan)))
+    return pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)
+
+
+def _row(job: Job, state: StepState, label: str, plan, errs, wall: float, cuda: float, graph: float) -> dict:
+    # An adaptive plan's counters are those of the route it chose.
+    counters = getattr(plan, "inner", plan).counters
+    row = {
+        "stage": job.stage, "trace": job.trace, "family": job.family, "max_active": job.max_active, "seed": job.seed,
+        "engine": label, "route": plan.route, "split": job.split, "group": job.group, "layers": job.layers,
+        "step": state.step, "active": state.active, "total_tokens": int(np.sum(state.seq_lens, dtype=np.int64)),
+        "max_len": int(np.max(state.seq_lens)), "wall_s": wall, "cuda_s": cuda, "graph_s": graph,
+        "estimate_s": getattr(plan, "estimate_s", math.nan),
+        "max_abs_err": errs[0], "mean_abs_err": errs[1], "ref_max_abs_err": errs[2], "ref_mean_abs_err": errs[3],
+        "launches": plan.launches,
+    }
+    for name in COUNTER_FIELDS:
+        row[name] = float(getattr(counters, name)) if counters is not None else math.nan
+    row["cta_work_per_sm"] = counters.cta_work_per_sm if counters is not None else math.nan
+    return row

@@ -1,0 +1,160 @@
+"""Pipeline commands the Snakemake rules call: `pkv calibrate`, `pkv measure STAGE`,
+`pkv nsight`, `pkv report`. Each measuring command reads the frozen config.json (and
+constants.json) and writes one Parquet file atomically, provenance included.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pkv import measure_stages as stages
+from pkv.costmodel import Constants
+from pkv.io import atomic_write_text, file_hash, provenance, write_parquet
+from pkv.measure_config import SMOKE_BANNER, config_hash, load_config
+
+
+def add_commands(sub) -> None:
+    cal = sub.add_parser("calibrate", help="fit and freeze the cost-model constants (calibration seed only)")
+    _common(cal, constants=False)
+    cal.add_argument("--raw", required=True, help="Parquet file for the calibration sweep's rows")
+    cal.set_defaults(func=calibrate_cmd)
+
+    meas = sub.add_parser("measure", help="run one measurement job of a pipeline stage")
+    msub = meas.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    p = msub.add_parser("serve", help="Table 2: one held-out trace x engine set")
+    _common(p)
+    _point(p)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--engine-set", required=True)
+    p = msub.add_parser("isolated", help="Table 1: one request of CONTEXT tokens, 50%% holes")
+    _common(p)
+    p.add_argument("--context", type=int, required=True)
+    p = msub.add_parser("split-sensitivity", help="Table 7: the policy at the frozen split and its neighbours")
+    _common(p)
+    _point(p)
+    p = msub.add_parser("b4-sweep", help="PersistentKV workqueue on B4 over a split grid")
+    _common(p)
+    p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("gqa-sweep", help="Table 8: one GQA group size G")
+    _common(p)
+    p.add_argument("--group", type=int, required=True)
+    for name in ("raggedness", "implementation"):
+        p = msub.add_parser(name, help=f"the {name} ablation on one seed")
+        _common(p)
+        p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("mlp-proxy", help="Table 3: attention + gated MLP tail on one seed")
+    _common(p)
+    p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("external", help="the external (Azure) request trace")
+    _common(p)
+    p.add_argument("--trace", required=True, help="the request file named in the config")
+    p = msub.add_parser("nsight-trace", help="the short trace the nsight stage profiles")
+    _common(p)
+    meas.set_defaults(func=measure_cmd)
+
+    ns = sub.add_parser("nsight", help="capture the short B8 trace under Nsight Compute (ncu) to CSV")
+    _common(ns)
+    ns.set_defaults(func=nsight_cmd)
+
+    rep = sub.add_parser("report", help="regenerate tables and figures from the Parquet under RESULTS_DIR")
+    rep.add_argument("results_dir")
+    rep.add_argument("--target", action="append", default=[],
+                     help="only this output (e.g. RESULTS_DIR/tables/serving.md); repeatable")
+    rep.set_defaults(func=report_cmd)
+
+
+def _common(p: argparse.ArgumentParser, constants: bool = True) -> None:
+    p.add_argument("--config", required=True, help="the frozen config.json of this run")
+    if constants:
+        p.add_argument("--constants", required=True, help="results/calibration/constants.json")
+    p.add_argument("--out", required=True)
+
+
+def _point(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", required=True)
+    p.add_argument("--max-active", type=int, required=True)
+
+
+def _announce(cfg: dict) -> None:
+    if cfg["profile"] == "smoke":
+        print(f"*** {SMOKE_BANNER}: tiny shapes, CPU engines ***", file=sys.stderr)
+
+
+def _meta(args, cfg: dict, extra: dict) -> dict:
+    consts = getattr(args, "constants", None)
+    return {**provenance(config_hash(cfg), file_hash(consts)), "profile": cfg["profile"], **extra}
+
+
+def calibrate_cmd(args) -> int:
+    from pkv.calibrate import calibrate
+
+    cfg = load_config(args.config)
+    _announce(cfg)
+    constants, frame = calibrate(cfg)
+    constants["config_hash"] = config_hash(cfg)
+    write_parquet(frame, args.raw, _meta(args, cfg, {"stage": "calibrate"}))
+    atomic_write_text(args.out, json.dumps(constants, indent=2, sort_keys=True) + "\n")
+    print(json.dumps({k: v for k, v in constants.items() if k != "operating_points"}, sort_keys=True), file=sys.stderr)
+    return 0
+
+
+def measure_cmd(args) -> int:
+    cfg = load_config(args.config)
+    _announce(cfg)
+    k = Constants.load(args.constants)
+    if args.stage == "serve":
+        frame, meta = stages.serve(cfg, k, args.family, args.max_active, args.seed, args.engine_set)
+    elif args.stage == "isolated":
+        frame, meta = stages.isolated(cfg, k, args.context)
+    elif args.stage == "split-sensitivity":
+        frame, meta = stages.split_sensitivity(cfg, k, args.family, args.max_active)
+    elif args.stage == "b4-sweep":
+        frame, meta = stages.b4_sweep(cfg, k, args.seed)
+    elif args.stage == "gqa-sweep":
+        frame, meta = stages.gqa_sweep(cfg, k, args.group)
+    elif args.stage in ("raggedness", "implementation"):
+        frame, meta = stages.ablation(cfg, k, args.stage, args.seed)
+    elif args.stage == "mlp-proxy":
+        frame, meta = stages.mlp_proxy(cfg, k, args.seed)
+    elif args.stage == "external":
+        frame, meta = stages.external(cfg, k, Path(args.trace))
+    else:
+        frame, meta = stages.nsight_trace(cfg, k)
+    write_parquet(frame, args.out, _meta(args, cfg, {"stage": frame["stage"].iloc[0], **meta}))
+    return 0
+
+
+def nsight_cmd(args) -> int:
+    """Profile `pkv measure nsight-trace` under ncu; the CSV parser is issue 6's."""
+    cfg = load_config(args.config)
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise OSError("nsight: `ncu` (Nsight Compute) is not on PATH; install it, or set `nsight: false` "
+                      "in config.yaml (or pass --config nsight=false) to run `all` without the Nsight stage")
+    c = cfg["nsight_capture"]
+    out = Path(args.out)
+    cmd = [ncu, "--clock-control", "none", "--kernel-name-base", "demangled", "--kernel-name", c["kernel_filter"],
+           "--metrics", ",".join(c["metrics"]), "--csv", "--log-file", str(out.with_suffix(".tmp.csv")),
+           sys.executable, "-m", "pkv.cli", "measure", "nsight-trace", "--config", args.config,
+           "--constants", args.constants, "--out", str(out.with_suffix(".run.parquet"))]
+    print(" ".join(cmd), file=sys.stderr)
+    done = subprocess.run(cmd)
+    if done.returncode != 0:
+        out.with_suffix(".tmp.csv").unlink(missing_ok=True)
+        raise OSError(f"nsight: ncu exited with {done.returncode} (no counter access? see the log above); "
+                      "set `nsight: false` to skip the stage")
+    out.with_suffix(".tmp.csv").replace(out)
+    return 0
+
+
+def report_cmd(args) -> int:
+    from pkv.report import build_report
+
+    for path in build_report(Path(args.results_dir), [Path(t) for t in args.target]):
+        print(path)
+    return 0

@@ -1,0 +1,135 @@
+"""The route policy of paper §3.5 with constructed constants: who wins where, margins, gates."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.cache import PagedCache
+from pkv.costmodel import Constants, RouteCost, baseline_cost, choose, eligible, estimate, schedule_cost
+from pkv.engines import make_engine
+from pkv.harness import StepState
+from pkv.paging import assign_pages
+from pkv.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
+from pkv.shape import Shape
+
+H200_LIKE = Constants(
+    device="constructed", beta=4.0e12, launch_s=5e-6, sm_count=132, c_min=4.0,
+    baseline_ctas_per_head={"flashinfer": 2.0, "flashinfer-tc": 4.0},
+    margins=((3, 1.05), (6, 1.50), (1024, 1.05)), supported_groups=(4,), min_context=16384,
+    min_tiles_per_split=4, operating_points={"bucketed-b1": {"bucket": 32, "workqueue": 32}},
+)
+SHAPE = Shape()
+
+
+def test_estimate_is_the_paper_formula():
+    c = RouteCost("r", kv_bytes=4.0e9, ctas=132 * 2, launches=3, merge_bytes=2.0e6)
+    want = 4.0e9 / 4.0e12 * (4.0 / 2.0) + 3 * 5e-6 + 2.0e6 / 4.0e12
+    assert estimate(c, H200_LIKE) == pytest.approx(want, rel=1e-12)
+    # Past the occupancy target there is no stall factor.
+    assert estimate(dataclasses.replace(c, ctas=132 * 8), H200_LIKE) == pytest.approx(want - 4.0e9 / 4.0e12, rel=1e-12)
+
+
+def _costs(lens, splits):
+    lens = np.asarray(lens, dtype=np.int32)
+    base = [baseline_cost(b, SHAPE, lens, H200_LIKE) for b in H200_LIKE.baseline_ctas_per_head]
+    policy = SplitPolicy(splits, 4)
+    cands = [schedule_cost("bucket", bucket_schedule(lens, 8, policy).counters(SHAPE, lens, 132)),
+             schedule_cost("workqueue", workqueue_schedule(lens, 8, policy).counters(SHAPE, lens, 132))]
+    return base, cands
+
+
+def test_b1_long_context_routes_to_persistentkv_splitting():
+    base, cands = _costs([65536], splits=32)
+    d = choose(base, cands, active=1, k=H200_LIKE)
+    assert d.route in ("bucket", "workqueue")
+    # The faster FlashInfer variant (more CTAs per head) is the one it had to beat.
+    assert d.estimates["flashinfer-tc"] < d.estimates["flashinfer"]
+    assert d.estimates["flashinfer-tc"] >= 1.05 * d.estimate_s
+
+
+def test_ragged_b8_prefers_workqueue_over_bucket_fan_out():
+    lens = [60000, 3000, 5000, 7000, 40000, 2000, 4100, 6100]
+    base, cands = _costs(lens, splits=20)
+    d = choose(base, cands, active=8, k=H200_LIKE)
+    assert d.estimates["workqueue"] < d.estimates["bucket"]
+    assert d.route in ("workqueue", "flashinfer-tc")
+
+
+def test_margin_depends_on_active_count():
+    base = [RouteCost("flashinfer", 1e9, 132 * 4, 1, 0)]
+    cand = [RouteCost("workqueue", 1e9, 132 * 4, 1, 0)]
+    t = estimate(base[0], H200_LIKE)
+    # A candidate 1.2x faster clears the B8 margin (1.05) but not the B4 one (1.50).
+    cand = [dataclasses.replace(cand[0], kv_bytes=(t / 1.2 - 5e-6) * 4.0e12)]
+    assert choose(base, cand, active=8, k=H200_LIKE).route == "workqueue"
+    assert choose(base, cand, active=4, k=H200_LIKE).route == "flashinfer"
+    assert choose(base, cand, active=2, k=H200_LIKE).route == "workqueue"
+    assert H200_LIKE.margin(5000) == 1.05   # past the last row: the last margin
+
+
+def test_gates_group_and_context():
+    long = np.array([65536], dtype=np.int32)
+    assert eligible(SHAPE, long, H200_LIKE)
+    assert not eligible(SHAPE, np.array([16383], dtype=np.int32), H200_LIKE)
+    assert not eligible(Shape(32, 32), long, H200_LIKE)      # G = 1
+    assert not eligible(Shape(32, 4), long, H200_LIKE)       # G = 8
+    base, _ = _costs([65536], 32)
+    assert choose(base, [], active=1, k=H200_LIKE).route == "flashinfer-tc"
+
+
+def test_constants_reject_nonsense():
+    with pytest.raises(ValueError):
+        dataclasses.replace(H200_LIKE, beta=0.0)
+    with pytest.raises(ValueError, match="no frozen operating point"):
+        H200_LIKE.split("zipf-b8", "workqueue")
+    assert H200_LIKE.split("bucketed-b1", "fused") == 32
+
+
+# ---------------------------------------------------------------- the adaptive engine on the CPU
+
+TINY = Shape(8, 2, 16, 4, "float16")
+
+
+def _cpu_constants(**changes):
+    k = Constants(device="cpu", beta=1e9, launch_s=1e-6, sm_count=8, c_min=4.0,
+                  baseline_ctas_per_head={"reference": 1.0}, margins=((1024, 1.05),), supported_groups=(4,),
+                  min_context=64, min_tiles_per_split=1, operating_points={"p": {"bucket": 4, "workqueue": 4}})
+    return dataclasses.replace(k, **changes)
+
+
+def _cache(shape=TINY, lens=(301, 77, 150)):
+    a = assign_pages(np.array(lens), shape.page_size, 0.5, seed=3)
+    return PagedCache.random(shape, a, "cpu", seed=3)
+
+
+def _step(lens):
+    return StepState(0, np.arange(len(lens)), np.array(lens, dtype=np.int32))
+
+
+def test_adaptive_routes_long_low_occupancy_steps_to_persistentkv_and_stays_exact():
+    cache = _cache()
+    eng = make_engine("adaptive", cache, constants=_cpu_constants(), point="p")
+    step = _step([301, 77, 150])
+    plan = eng.prepare(step)
+    assert plan.route.startswith("pkv-") and plan.estimate_s > 0
+    q = cache.query(3, seed=1)
+    ref = make_engine("reference", cache)
+    torch.testing.assert_close(eng.run(q, plan).float(), ref.run(q, ref.prepare(step)).float(), atol=2e-3, rtol=0)
+
+
+def test_adaptive_respects_the_gates():
+    cache = _cache()
+    short = _cpu_constants(min_context=10_000)
+    assert make_engine("adaptive", cache, constants=short, point="p").prepare(_step([301, 77, 150])).route == "reference"
+    g1 = _cache(Shape(8, 8, 16, 4, "float16"))
+    eng = make_engine("adaptive", g1, constants=_cpu_constants(), point="p")
+    assert not eng.pkv   # gated groups never build PersistentKV engines
+    assert eng.prepare(_step([301, 77, 150])).route == "reference"
+
+
+def test_adaptive_respects_the_margin():
+    cache = _cache()
+    huge = _cpu_constants(margins=((1024, 1e6),))
+    assert make_engine("adaptive", cache, constants=huge, point="p").prepare(_step([301, 77, 150])).route == "reference"

@@ -1,0 +1,71 @@
+"""pkv.report on constructed Parquet: ratio arithmetic, determinism, one GPU model per folder."""
+
+import math
+
+import pandas as pd
+import pytest
+
+from pkv.io import write_parquet
+from pkv.measure import COLUMNS
+from pkv.report import build_report, load, ratios
+
+
+def _rows(engine, wall, cuda, seed=20260623, active=4, route=None, family="bimodal", max_active=8):
+    base = {c: 0 for c in COLUMNS}
+    base.update(stage="serve", trace=f"{family}-{seed}", family=family, max_active=max_active, seed=seed,
+                engine=engine, route=route or engine, group=4, layers=1, active=active, total_tokens=4000,
+                max_len=2000, graph_s=math.nan, estimate_s=math.nan, launches=1, cta_work_per_sm=math.nan)
+    for c in ("decode_launches", "merge_launches", "extra_launches", "decode_ctas", "empty_ctas",
+              "useful_kv_bytes", "read_kv_bytes", "merge_bytes", "ref_max_abs_err", "ref_mean_abs_err"):
+        base[c] = math.nan
+    return [{**base, "step": s, "wall_s": wall, "cuda_s": cuda} for s in range(3)]
+
+
+def _frame(*groups):
+    return pd.DataFrame([r for g in groups for r in g], columns=list(COLUMNS)).astype(COLUMNS)
+
+
+def _write(root, name, frame, gpu="NVIDIA H200"):
+    meta = {"gpu": gpu, "profile": "paper", "torch": "2.11", "flashinfer": "0.7.2.post1", "cuda": "12.8",
+            "config_hash": "c", "constants_hash": "k", "git_commit": "g"}
+    write_parquet(frame, root / "raw" / "serve" / f"{name}.parquet", meta)
+
+
+def test_ratio_is_over_the_faster_baseline_per_timing():
+    f = _frame(_rows("flashinfer", wall=2.0, cuda=1.0), _rows("flashinfer-tc", wall=3.0, cuda=0.5),
+               _rows("adaptive", wall=1.0, cuda=1.0))
+    r = ratios(f, ["seed"]).set_index("engine")
+    assert r.loc["adaptive", "wall_ratio"] == pytest.approx(2.0)   # vs flashinfer (faster wall)
+    assert r.loc["adaptive", "cuda_ratio"] == pytest.approx(0.5)   # vs flashinfer-tc (faster device)
+    assert math.isnan(r.loc["adaptive", "graph_ratio"])            # no graph timing taken
+    assert r.loc["adaptive", "wall_tps"] == pytest.approx(4 / 1.0)
+
+
+def test_serving_table_is_deterministic_and_reads_parquet_only(tmp_path):
+    for seed, wall in ((20260623, 1.0), (20260624, 1.25)):
+        _write(tmp_path, f"s{seed}", _frame(_rows("flashinfer", 2.0, 1.0, seed), _rows("flashinfer-tc", 3.0, 0.5, seed),
+                                             _rows("adaptive", wall, 1.0, seed, route="pkv-workqueue/s20")))
+    target = tmp_path / "tables" / "serving.md"
+    build_report(tmp_path, [target])
+    first = target.read_bytes()
+    build_report(tmp_path, [target])
+    assert target.read_bytes() == first
+    text = first.decode()
+    assert "| Bimodal B8 " in text and "pkv-workqueue/s20" in text
+    assert "1.800±0.283" in text        # wall ratios 2.0 and 1.6 over two seeds
+    assert "CPU smoke" not in text
+
+
+def test_mixed_gpu_models_are_refused(tmp_path):
+    _write(tmp_path, "a", _frame(_rows("flashinfer", 1, 1), _rows("adaptive", 1, 1)), gpu="NVIDIA H200")
+    _write(tmp_path, "b", _frame(_rows("flashinfer", 1, 1, seed=20260624), _rows("adaptive", 1, 1, seed=20260624)),
+           gpu="NVIDIA A100")
+    with pytest.raises(ValueError, match="several GPU models"):
+        load(tmp_path, ("serve",))
+
+
+def test_unknown_target_and_missing_stage_fail_clearly(tmp_path):
+    with pytest.raises(ValueError, match="unknown report target"):
+        build_report(tmp_path, [tmp_path / "tables" / "nope.md"])
+    with pytest.raises(ValueError, match="no Parquet under"):
+        build_report(tmp_path, [tmp_path / "tables" / "serving.md"])

@@ -1,0 +1,100 @@
+# Ablations: split sensitivity (Table 7), B4 split sweep, GQA sweep (Table 8),
+# raggedness, and the implementation switches (fused merge, row-local bounds, early exit,
+# indexed Q/O; CUDA-graph replay is the graph_s column of every row).
+
+
+rule sweep_split_sensitivity:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/split_sensitivity/{family}-b{max_active}.parquet"),
+    log:
+        out("logs/split_sensitivity/{family}-b{max_active}.log"),
+    benchmark:
+        out("benchmarks/split_sensitivity/{family}-b{max_active}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure split-sensitivity --config {input.config} --constants {input.constants} "
+        "--family {wildcards.family} --max-active {wildcards.max_active} --out {output.parquet} > {log} 2>&1"
+
+
+rule sweep_b4:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/b4_sweep/s{seed}.parquet"),
+    wildcard_constraints:
+        seed="|".join(HELDOUT),
+    log:
+        out("logs/b4_sweep/s{seed}.log"),
+    benchmark:
+        out("benchmarks/b4_sweep/s{seed}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure b4-sweep --config {input.config} --constants {input.constants} "
+        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
+
+
+rule sweep_gqa:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/gqa_sweep/g{group}.parquet"),
+    log:
+        out("logs/gqa_sweep/g{group}.log"),
+    benchmark:
+        out("benchmarks/gqa_sweep/g{group}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure gqa-sweep --config {input.config} --constants {input.constants} "
+        "--group {wildcards.group} --out {output.parquet} > {log} 2>&1"
+
+
+rule ablate_raggedness:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/raggedness/s{seed}.parquet"),
+    log:
+        out("logs/raggedness/s{seed}.log"),
+    benchmark:
+        out("benchmarks/raggedness/s{seed}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure raggedness --config {input.config} --constants {input.constants} "
+        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
+
+
+rule ablate_implementation:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/implementation/s{seed}.parquet"),
+    log:
+        out("logs/implementation/s{seed}.log"),
+    benchmark:
+        out("benchmarks/implementation/s{seed}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure implementation --config {input.config} --constants {input.constants} "
+        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"

@@ -1,0 +1,21 @@
+# The external request trace (Azure LLM inference 2023) through the file-based trace path.
+
+
+rule replay_external:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+        trace=C["external"]["path"],
+    output:
+        parquet=out("raw/external/azure2023.parquet"),
+    log:
+        out("logs/external/azure2023.log"),
+    benchmark:
+        out("benchmarks/external/azure2023.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure external --config {input.config} --constants {input.constants} "
+        "--trace {input.trace} --out {output.parquet} > {log} 2>&1"

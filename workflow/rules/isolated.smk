@@ -1,0 +1,20 @@
+# Table 1: single-request native-paged baselines, 50% holes, one job per context length.
+
+
+rule measure_isolated:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/isolated/ctx{context}.parquet"),
+    log:
+        out("logs/isolated/ctx{context}.log"),
+    benchmark:
+        out("benchmarks/isolated/ctx{context}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure isolated --config {input.config} --constants {input.constants} "
+        "--context {wildcards.context} --out {output.parquet} > {log} 2>&1"

@@ -1,0 +1,22 @@
+# Table 3: attention + gated MLP tail (one layer, and layers sharing one plan per step).
+
+
+rule measure_mlp_proxy:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/mlp_proxy/s{seed}.parquet"),
+    wildcard_constraints:
+        seed="|".join(HELDOUT),
+    log:
+        out("logs/mlp_proxy/s{seed}.log"),
+    benchmark:
+        out("benchmarks/mlp_proxy/s{seed}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure mlp-proxy --config {input.config} --constants {input.constants} "
+        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"

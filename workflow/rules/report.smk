@@ -1,0 +1,45 @@
+# Presentation: one rule per table (Markdown; LaTeX too for the paper's tables) and per
+# figure, each reading Parquet only and calling `pkv report ROOT --target FILE`.
+
+for _name, _table in TABLES.items():
+
+    rule:
+        name:
+            f"report_{_name}"
+        input:
+            table_inputs(_name),
+        output:
+            md=out(f"tables/{_name}.md"),
+        log:
+            out(f"logs/report/{_name}.md.log"),
+        shell:
+            "{PKV} report {ROOT} --target {output.md} > {log} 2>&1"
+
+    if _table.latex:
+
+        rule:
+            name:
+                f"report_{_name}_latex"
+            input:
+                table_inputs(_name),
+            output:
+                tex=out(f"tables/{_name}.tex"),
+            log:
+                out(f"logs/report/{_name}.tex.log"),
+            shell:
+                "{PKV} report {ROOT} --target {output.tex} > {log} 2>&1"
+
+
+for _name in FIGURES:
+
+    rule:
+        name:
+            f"plot_{_name}"
+        input:
+            figure_inputs(_name),
+        output:
+            png=out(f"figures/{_name}.png"),
+        log:
+            out(f"logs/report/{_name}.png.log"),
+        shell:
+            "{PKV} report {ROOT} --target {output.png} > {log} 2>&1"

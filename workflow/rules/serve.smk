@@ -1,0 +1,23 @@
+# Table 2: one job per (family, max_active) point x held-out seed x engine set.
+
+
+rule serve_trace:
+    input:
+        config=rules.freeze_config.output.config,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/serve/{family}-b{max_active}-s{seed}-{engine_set}.parquet"),
+    wildcard_constraints:
+        seed="|".join(HELDOUT),
+    log:
+        out("logs/serve/{family}-b{max_active}-s{seed}-{engine_set}.log"),
+    benchmark:
+        out("benchmarks/serve/{family}-b{max_active}-s{seed}-{engine_set}.tsv")
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "{PKV} measure serve --config {input.config} --constants {input.constants} "
+        "--family {wildcards.family} --max-active {wildcards.max_active} --seed {wildcards.seed} "
+        "--engine-set {wildcards.engine_set} --out {output.parquet} > {log} 2>&1"
