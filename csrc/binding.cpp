@@ -66,7 +66,8 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_t
   p.mode = static_cast<pkv::OutMode>(dims[8]);
   p.scale_log2 = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(head_dim)));
   TORCH_CHECK(p.seq_lens && p.req_ids && (p.rows || p.tasks), "pkv.decode: missing metadata");
-  TORCH_CHECK(p.mode == pkv::OutMode::kDirect || p.partial, "pkv.decode: partial workspace needed");
+  TORCH_CHECK(p.mode == pkv::OutMode::kDirect || p.mode == pkv::OutMode::kCluster || p.partial,
+              "pkv.decode: partial workspace needed");
   TORCH_CHECK(p.mode != pkv::OutMode::kFused || (p.counters && p.seg_offsets), "pkv.decode: fused needs counters");
   const cudaError_t err = pkv::launch_decode(p, dtype_of(q), head_dim, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "pkv.decode launch failed: ", cudaGetErrorString(err));

@@ -39,6 +39,7 @@ template <> struct Mma<__half> {
   static __device__ __forceinline__ void store2(__half* p, float x, float y) {
     *reinterpret_cast<__half2*>(p) = __floats2half2_rn(x, y);
   }
+  static __device__ __forceinline__ __half from_float(float x) { return __float2half_rn(x); }
 };
 
 template <> struct Mma<__nv_bfloat16> {
@@ -56,6 +57,7 @@ template <> struct Mma<__nv_bfloat16> {
   static __device__ __forceinline__ void store2(__nv_bfloat16* p, float x, float y) {
     *reinterpret_cast<__nv_bfloat162*>(p) = __floats2bfloat162_rn(x, y);
   }
+  static __device__ __forceinline__ __nv_bfloat16 from_float(float x) { return __float2bfloat16_rn(x); }
 };
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
@@ -79,6 +81,24 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+__device__ __forceinline__ int cluster_rank() {
+  int r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+// Release/acquire cluster barrier: shared-memory writes before it are visible to every
+// CTA of the cluster after it.
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ float ld_cluster(const float* local, int rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote) : "r"(smem_addr(local)), "r"(rank));
+  float v;
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
+}
+
 template <int D> struct Cfg {
   static constexpr int kRowBytes = D * 2;             // one token of K (or V)
   static constexpr int kPieces = D / 8;               // 16-byte pieces per token row
@@ -86,6 +106,9 @@ template <int D> struct Cfg {
   static constexpr int kStageBytes = 2 * kHalfBytes;  // K then V
   static constexpr int kStages = D == 128 ? 3 : 4;    // two CTAs per SM at d=128, three at d=64
   static constexpr int kSmem = kWarps * kStages * kStageBytes;
+  // Cluster mode: the CTA's merged state (m[8], l[8], acc[G*D]) past the warps' states.
+  static constexpr int kStateOffset = 2 * kWarps * 8 * 4 + kWarps * 8 * D * 4;
+  static_assert(kStateOffset + (16 + 8 * D) * 4 <= kSmem, "cluster state must fit in the pipeline buffers");
   // Byte offset of (token, piece) inside a K or V chunk: XOR swizzle over 8 rows so
   // ldmatrix's 8 row addresses hit 8 different bank groups.
   static __device__ __forceinline__ int offset(int tok, int piece) {
@@ -214,12 +237,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
   float* part_l = p.partial + static_cast<int64_t>(p.num_slots) * G;
   float* part_acc = p.partial + acc_offset(p.num_slots, G);
 
+  float* st_m = reinterpret_cast<float*>(smem + C::kStateOffset);  // cluster mode only
+  float* st_l = st_m + 8;
+  float* st_acc = st_m + 16;
+
   if (t_begin >= t_end && p.early_exit) {
-    // Zero-tile early exit: neutral state, no Q load, no shared-memory staging.
-    for (int e = threadIdx.x; e < G_D; e += kThreads) part_acc[static_cast<int64_t>(slot) * G_D + e] = 0.f;
+    // Zero-tile early exit: neutral state, no Q load, no pipeline staging. (In cluster
+    // mode the neutral state goes to shared memory: the CTA still joins the cluster merge.)
+    float* acc_dst = p.mode == OutMode::kCluster ? st_acc : part_acc + static_cast<int64_t>(slot) * G_D;
+    float* m_dst = p.mode == OutMode::kCluster ? st_m : part_m + slot * G;
+    float* l_dst = p.mode == OutMode::kCluster ? st_l : part_l + slot * G;
+    for (int e = threadIdx.x; e < G_D; e += kThreads) acc_dst[e] = 0.f;
     if (threadIdx.x < G) {
-      part_m[slot * G + threadIdx.x] = -INFINITY;
-      part_l[slot * G + threadIdx.x] = 0.f;
+      m_dst[threadIdx.x] = -INFINITY;
+      l_dst[threadIdx.x] = 0.f;
     }
   } else {
     const int gid = lane >> 2, t4 = lane & 3;
@@ -381,6 +412,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
       if (p.mode == OutMode::kDirect) {
         T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(qo_row) * Hq + kvh * G) * D;
         Mma<T>::store2(out + e, a0 / den, a1 / den);
+      } else if (p.mode == OutMode::kCluster) {
+        *reinterpret_cast<float2*>(st_acc + e) = make_float2(a0, a1);
+        if (e % D == 0) {
+          st_m[h] = mx;
+          st_l[h] = den;
+        }
       } else {
         *reinterpret_cast<float2*>(part_acc + static_cast<int64_t>(slot) * G_D + e) = make_float2(a0, a1);
         if (e % D == 0) {
@@ -389,6 +426,41 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const DecodeParams 
         }
       }
     }
+  }
+
+  if (p.mode == OutMode::kCluster) {
+    // Cluster rank r (= the split) merges elements [r*per, (r+1)*per) of the segment's
+    // G x D output from all ranks' shared memory; 4 threads share one element's ranks.
+    cluster_sync();
+    const int S = p.splits, rank = cluster_rank();
+    const int per = (G_D + S - 1) / S, e_begin = rank * per, e_end = min(e_begin + per, G_D);
+    T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(qo_row) * Hq + kvh * G) * D;
+    const int sub = threadIdx.x & 3;
+    for (int e0 = e_begin; e0 < e_end; e0 += kThreads / 4) {
+      const int e = e0 + (threadIdx.x >> 2);
+      const bool active = e < e_end;
+      const int h = active ? e / D : 0;
+      float mx = -INFINITY;
+#pragma unroll 4
+      for (int r = sub; r < S; r += 4) mx = fmaxf(mx, active ? ld_cluster(st_m + h, r) : -INFINITY);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      float den = 0.f, a = 0.f;
+      if (active)
+#pragma unroll 4
+        for (int r = sub; r < S; r += 4) {
+          const float mr = ld_cluster(st_m + h, r);
+          const float w = mr == -INFINITY ? 0.f : exp2f(mr - mx);
+          den += w * ld_cluster(st_l + h, r);
+          a += w * ld_cluster(st_acc + e, r);
+        }
+      den += __shfl_xor_sync(0xffffffffu, den, 1);
+      den += __shfl_xor_sync(0xffffffffu, den, 2);
+      a += __shfl_xor_sync(0xffffffffu, a, 1);
+      a += __shfl_xor_sync(0xffffffffu, a, 2);
+      if (active && sub == 0) out[e] = Mma<T>::from_float(a / den);
+    }
+    cluster_sync();  // keep this CTA's shared memory alive until every rank has read it
   }
 
   if (p.mode == OutMode::kFused) {
@@ -432,8 +504,27 @@ cudaError_t decode_typed(const DecodeParams& p, cudaStream_t stream) {
   static const cudaError_t attr =
       cudaFuncSetAttribute(decode_kernel<T, D>, cudaFuncAttributeMaxDynamicSharedMemorySize, Cfg<D>::kSmem);
   if (attr != cudaSuccess) return attr;
-  decode_kernel<T, D><<<p.num_slots, kThreads, Cfg<D>::kSmem, stream>>>(p);
-  return cudaGetLastError();
+  if (p.mode != OutMode::kCluster) {
+    decode_kernel<T, D><<<p.num_slots, kThreads, Cfg<D>::kSmem, stream>>>(p);
+    return cudaGetLastError();
+  }
+  static const cudaError_t cluster_attr =
+      cudaFuncSetAttribute(decode_kernel<T, D>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  if (cluster_attr != cudaSuccess) return cluster_attr;
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_slots);
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = Cfg<D>::kSmem;
+  cfg.stream = stream;
+  cudaLaunchAttribute cluster[1];
+  cluster[0].id = cudaLaunchAttributeClusterDimension;
+  cluster[0].val.clusterDim.x = p.splits;
+  cluster[0].val.clusterDim.y = 1;
+  cluster[0].val.clusterDim.z = 1;
+  cfg.attrs = cluster;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, decode_kernel<T, D>, p);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 template <typename T, int D>
@@ -455,6 +546,8 @@ cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
 
 cudaError_t launch_decode(const DecodeParams& p, DType dtype, int head_dim, cudaStream_t stream) {
   if (p.group < 1 || p.group > 8 || p.num_slots < 1) return cudaErrorInvalidValue;
+  if (p.mode == OutMode::kCluster && (p.tasks != nullptr || p.splits > kMaxClusterSplits || p.num_slots % p.splits))
+    return cudaErrorInvalidValue;
   if (dtype == DType::kFloat16) {
     if (head_dim == 128) return decode_typed<__half, 128>(p, stream);
     if (head_dim == 64) return decode_typed<__half, 64>(p, stream);

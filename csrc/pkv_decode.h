@@ -15,7 +15,11 @@ enum class OutMode : int {
   kDirect = 0,   // the CTA owns its whole (row, kv head): write the normalized output
   kPartial = 1,  // write the FP32 partial state (m, l, acc) to its slot; a merge launch follows
   kFused = 2,    // write the partial state; the last CTA of a segment merges (atomic counter)
+  kCluster = 3,  // grid mode, one thread-block cluster per segment (cluster size = splits <= 16):
+                 // states stay in shared memory, merged across the cluster (no merge launch)
 };
+
+constexpr int kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster
 
 struct DecodeParams {
   const void* q;            // [B, Hq, D]

@@ -210,7 +210,10 @@ def markdown(frame: pd.DataFrame, meta: dict, probes: dict[str, float], command:
         f"torch {meta['torch']}, FlashInfer {meta['flashinfer']}, commit {meta['git_commit']}  ",
         f"Read roofline: **{probes['roofline']:.0f} GB/s** (4 GiB read once: pkv read probe {probes['probe']:.0f}, "
         f"torch sum {probes['sum']:.0f}). Shape: Hq=32, d=128, fp16, page 16, 50% holes; "
-        "time = device µs per call by CUDA-graph replay (events in parentheses), bytes = useful K+V bytes.",
+        "graph µs = device time per call by CUDA-graph replay, events µs = CUDA events around each run() call "
+        "(includes host launch gaps), wall = prepare + run + synchronize; GB/s = useful K+V bytes / graph time. "
+        "PersistentKV splits = best of the sweep in the Parquet's split_sweep column (<= 16 splits merge in a "
+        "thread-block cluster, more use the merge kernel).",
         "",
         "| case | engine | splits | graph µs | events µs | GB/s | % roofline | wall µs (prepare+run+sync) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
@@ -220,7 +223,7 @@ def markdown(frame: pd.DataFrame, meta: dict, probes: dict[str, float], command:
         if r.error:
             lines.append(f"| {case} | {r.engine} | | failed: {r.error[:80]} | | | | |")
             continue
-        lines.append(f"| {case} | {r.engine} | {r.splits or ''} | {r.graph_us:.1f} | {r.events_us:.1f} | "
+        lines.append(f"| {case} | {r.engine} | {int(r.splits) if r.splits else ''} | {r.graph_us:.1f} | {r.events_us:.1f} | "
                      f"{r.achieved_gbps:.0f} | {100 * r.frac_of_roofline:.1f} | {r.wall_us:.0f} |")
     return "\n".join(lines) + "\n"
 

@@ -5,7 +5,9 @@
 set -uo pipefail
 stage=${1:-all}; shift || true
 out=${OUT:-gpu_check_out}; mkdir -p "$out/logs"
-export PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# The device's copy of the tree may carry no git history: take the commit from a carried file.
+[[ -f gpu_commit.txt ]] && export PKV_GIT_COMMIT=$(cat gpu_commit.txt)
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 
@@ -15,13 +17,13 @@ echo "build: $(( $(date +%s) - t0 )) s"
 
 if [[ $stage == test || $stage == all ]]; then
   t0=$(date +%s)
-  python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_csrc_compile.py 2>&1 | tee "$out/logs/tests.log" | tail -40
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/gpu tests/test_csrc_compile.py 2>&1 | tee "$out/logs/tests.log" | tail -40
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 
 if [[ $stage == bench || $stage == all ]]; then
   t0=$(date +%s)
-  python3 -m pkv.cli bench kernels "$@" 2>&1 | tee "$out/logs/bench.log"
+  timeout 300 python3 -m pkv.cli bench kernels "$@" 2>&1 | tee "$out/logs/bench.log"
   echo "bench: $(( $(date +%s) - t0 )) s"
   cp results/raw/kernels/kernels.parquet results/tables/kernels.md "$out/" 2>/dev/null
   cat results/tables/kernels.md 2>/dev/null

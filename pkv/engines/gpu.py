@@ -8,6 +8,7 @@ it can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -24,8 +25,9 @@ from pkv.validate import check_kv
 
 PKV_ENGINES = {"pkv-bucket": "bucket", "pkv-masked": "masked", "pkv-workqueue": "workqueue", "pkv-fused": "workqueue"}
 OTHER_ENGINES = ("flashinfer", "flashinfer-tc", "flashinfer-persistent", "sdpa-repack")
-MODE_DIRECT, MODE_PARTIAL, MODE_FUSED = 0, 1, 2
+MODE_DIRECT, MODE_PARTIAL, MODE_FUSED, MODE_CLUSTER = 0, 1, 2, 3
 MAX_SPLITS = 256  # kMaxSegSlots in csrc/pkv_decode.cu
+MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits in csrc/pkv_decode.h
 
 
 def num_sms(device: torch.device) -> int:
@@ -144,8 +146,12 @@ class PkvPlan(Plan):
     @property
     def counters(self) -> Counters:
         if self._counters is None:
-            shape, sms, extra = self._counter_args[4:]
-            self._counters = self.schedule.counters(shape, self.step.seq_lens, sms, extra)
+            shape, sms, extra, clustered = self._counter_args[4:]
+            c = self.schedule.counters(shape, self.step.seq_lens, sms, extra)
+            # Cluster-merged launches have no merge launch and keep their states on chip.
+            slot_bytes = shape.group * (shape.head_dim + 2) * 4
+            self._counters = dataclasses.replace(c, merge_launches=c.merge_launches - len(clustered),
+                                                 merge_bytes=c.merge_bytes - sum(clustered) * slot_bytes)
         return self._counters
 
 
@@ -153,7 +159,7 @@ class PkvEngine(Engine):
     """Split decode over the native block table; schedules from pkv.schedule."""
 
     def __init__(self, cache: PagedCache, name: str, policy: SplitPolicy | None = None, indexed_qo: bool = True,
-                 row_local: bool = True, early_exit: bool = True):
+                 row_local: bool = True, early_exit: bool = True, cluster_merge: bool = True):
         super().__init__(cache)
         s = cache.shape
         check_kv(cache.kv, s)
@@ -170,6 +176,8 @@ class PkvEngine(Engine):
         if self.policy.splits > MAX_SPLITS:
             raise ValueError(f"{name} supports at most {MAX_SPLITS} splits, got {self.policy.splits}")
         self.indexed_qo, self.row_local, self.early_exit = indexed_qo, row_local, early_exit
+        # Grid launches of <= 16 splits merge inside one thread-block cluster (no merge launch).
+        self.cluster_merge = cluster_merge
         self.num_sms = num_sms(cache.device)
         self.page_shift = s.page_size.bit_length() - 1
         self._partial = torch.empty(0, dtype=torch.float32, device=cache.device)
@@ -189,9 +197,16 @@ class PkvEngine(Engine):
         for launch in launches:
             rows_off, pos = pos, pos + len(launch.rows)
             parts.append(launch.rows)
-            mode = MODE_DIRECT if not launch.needs_merge else (MODE_FUSED if self.fused else MODE_PARTIAL)
+            if not launch.needs_merge:
+                mode = MODE_DIRECT
+            elif self.fused:
+                mode = MODE_FUSED
+            elif self.cluster_merge and not launch.queue and launch.splits <= MAX_CLUSTER_SPLITS:
+                mode = MODE_CLUSTER
+            else:
+                mode = MODE_PARTIAL
             seg_off = tasks_off = -1
-            if mode != MODE_DIRECT:
+            if mode in (MODE_PARTIAL, MODE_FUSED):
                 seg_off, pos = pos, pos + len(launch.seg_offsets)
                 parts.append(launch.seg_offsets)
                 max_slots = max(max_slots, launch.num_tasks)
@@ -214,8 +229,9 @@ class PkvEngine(Engine):
         gather_rows = [meta[a.rows_off:a.rows_off + a.num_rows].long() for a in args] if gathers else []
         merges = sum(a.mode == MODE_PARTIAL for a in args)
         launches_total = len(args) + merges + (2 * len(args) if gathers else 0)
+        clustered = [a.num_slots for a in args if a.mode == MODE_CLUSTER]
         counter_args = (self.kind, s.num_kv_heads, self.policy, self.row_local, s, self.num_sms,
-                        2 * len(args) if gathers else 0)
+                        2 * len(args) if gathers else 0, clustered)
         return PkvPlan(step, f"{self.name}/s{self.policy.splits}", launches_total, counter_args, meta, args,
                        self._partial, self._counters, gather_rows)
 
@@ -335,7 +351,7 @@ def make_gpu_engine(name: str, cache: PagedCache, policy: SplitPolicy | None = N
     if not cache.kv.is_cuda:
         raise ValueError(f"engine {name!r} needs the KV cache on a CUDA device")
     if name in PKV_ENGINES:
-        unknown = set(options) - {"indexed_qo", "row_local", "early_exit"}
+        unknown = set(options) - {"indexed_qo", "row_local", "early_exit", "cluster_merge"}
         if unknown:
             raise ValueError(f"unknown options for {name}: {sorted(unknown)}")
         return PkvEngine(cache, name, policy, **options)

@@ -128,6 +128,8 @@ SWITCHES = [
     ("pkv-bucket", dict(early_exit=False)),
     ("pkv-workqueue", dict(early_exit=False)),
     ("pkv-fused", dict(early_exit=False)),
+    ("pkv-masked", dict(cluster_merge=False)),
+    ("pkv-bucket", dict(cluster_merge=False, indexed_qo=False)),
 ]
 
 
@@ -146,7 +148,22 @@ def test_switches(name, options, dtype):
         assert plan.counters.extra_launches == 2 * len(plan.schedule.launches)
 
 
-@pytest.mark.parametrize("name", ["pkv-workqueue", "pkv-fused", "pkv-bucket"])
+@pytest.mark.parametrize("lengths", ["page+1", "8K", "64K", "ragged8", "ragged17"])
+@pytest.mark.parametrize("splits", [2, 7, 16])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_cluster_merge(lengths, splits, dtype):
+    """Grid launches of <= 16 splits merge in a thread-block cluster: same results as the merge kernel."""
+    seed = seed_of("cluster", lengths, splits, dtype)
+    lens = case_lens(lengths, 16, np.random.default_rng(seed))
+    cache, step, q = make_case(lens, dtype=dtype, seed=seed)
+    ref = reference(cache, step, q)
+    for name in ("pkv-masked", "pkv-bucket"):
+        out, plan = run_engine(make_engine(name, cache, policy=SplitPolicy(splits, 1)), step, q)
+        check(out, ref, dtype, f"{name} cluster s{splits}")
+        assert plan.counters.merge_launches == 0 and plan.launches == len(plan.args)
+
+
+@pytest.mark.parametrize("name", ["pkv-workqueue", "pkv-fused", "pkv-bucket", "pkv-masked"])
 def test_graph_replay(name):
     """run() is capturable: replays see fresh Q; fused counters rearm; PDL merge edges hold."""
     cache, step, q = make_case([9 * K, 3 * K, 77], seed=11)
