@@ -15,10 +15,15 @@ from pathlib import Path
 from pkv import measure_stages as stages
 from pkv.costmodel import Constants
 from pkv.io import atomic_write_text, file_hash, provenance, write_parquet
-from pkv.measure_config import SMOKE_BANNER, config_hash, load_config
+from pkv.measure_config import SMOKE_BANNER, config_hash, load_config, write_config
 
 
 def add_commands(sub) -> None:
+    fr = sub.add_parser("freeze-config", help="write the resolved experiment config every command reads")
+    fr.add_argument("--json", required=True, help="the resolved config (profile applied) as JSON")
+    fr.add_argument("--out", required=True)
+    fr.set_defaults(func=freeze_config_cmd)
+
     cal = sub.add_parser("calibrate", help="fit and freeze the cost-model constants (calibration seed only)")
     _common(cal, constants=False)
     cal.add_argument("--raw", required=True, help="Parquet file for the calibration sweep's rows")
@@ -62,9 +67,9 @@ def add_commands(sub) -> None:
     ns.set_defaults(func=nsight_cmd)
 
     rep = sub.add_parser("report", help="regenerate tables and figures from the Parquet under RESULTS_DIR")
-    rep.add_argument("results_dir")
+    rep.add_argument("results_dir", nargs="?", help="default: the folder two levels above the --target files")
     rep.add_argument("--target", action="append", default=[],
-                     help="only this output (e.g. RESULTS_DIR/tables/serving.md); repeatable")
+                     help="only this output (e.g. results/tables/serving.md); repeatable")
     rep.set_defaults(func=report_cmd)
 
 
@@ -88,6 +93,13 @@ def _announce(cfg: dict) -> None:
 def _meta(args, cfg: dict, extra: dict) -> dict:
     consts = getattr(args, "constants", None)
     return {**provenance(config_hash(cfg), file_hash(consts)), "profile": cfg["profile"], **extra}
+
+
+def freeze_config_cmd(args) -> int:
+    cfg = json.loads(args.json)
+    write_config(cfg, args.out)
+    print(f"froze profile {cfg['profile']} (config hash {config_hash(cfg)}) to {args.out}", file=sys.stderr)
+    return 0
 
 
 def calibrate_cmd(args) -> int:
@@ -135,7 +147,7 @@ def nsight_cmd(args) -> int:
     ncu = shutil.which("ncu")
     if ncu is None:
         raise OSError("nsight: `ncu` (Nsight Compute) is not on PATH; install it, or set `nsight: false` "
-                      "in config.yaml (or pass --config nsight=false) to run `all` without the Nsight stage")
+                      "in config.yaml (or pass --config nsight=False) to run `all` without the Nsight stage")
     c = cfg["nsight_capture"]
     out = Path(args.out)
     cmd = [ncu, "--clock-control", "none", "--kernel-name-base", "demangled", "--kernel-name", c["kernel_filter"],
@@ -155,6 +167,11 @@ def nsight_cmd(args) -> int:
 def report_cmd(args) -> int:
     from pkv.report import build_report
 
-    for path in build_report(Path(args.results_dir), [Path(t) for t in args.target]):
+    targets = [Path(t) for t in args.target]
+    roots = {t.parent.parent for t in targets}
+    if args.results_dir is None and len(roots) != 1:
+        raise ValueError("name RESULTS_DIR, or --target files of one results folder")
+    root = Path(args.results_dir) if args.results_dir else roots.pop()
+    for path in build_report(root, targets):
         print(path)
     return 0

@@ -18,7 +18,7 @@ rule sweep_split_sensitivity:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure split-sensitivity --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure split-sensitivity --config {input.config} --constants {input.constants} "
         "--family {wildcards.family} --max-active {wildcards.max_active} --out {output.parquet} > {log} 2>&1"
 
 
@@ -39,7 +39,7 @@ rule sweep_b4:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure b4-sweep --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure b4-sweep --config {input.config} --constants {input.constants} "
         "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
 
 
@@ -58,7 +58,7 @@ rule sweep_gqa:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure gqa-sweep --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure gqa-sweep --config {input.config} --constants {input.constants} "
         "--group {wildcards.group} --out {output.parquet} > {log} 2>&1"
 
 
@@ -77,7 +77,7 @@ rule ablate_raggedness:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure raggedness --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure raggedness --config {input.config} --constants {input.constants} "
         "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
 
 
@@ -96,5 +96,5 @@ rule ablate_implementation:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure implementation --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure implementation --config {input.config} --constants {input.constants} "
         "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"

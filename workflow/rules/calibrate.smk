@@ -5,11 +5,13 @@ rule freeze_config:
     output:
         config=out("config.json"),
     params:
-        config=C,
+        config=config_json(),
     log:
         out("logs/freeze_config.log"),
-    script:
-        "../scripts/freeze_config.py"
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "python3 -m pkv.cli freeze-config --json {params.config:q} --out {output.config} > {log} 2>&1"
 
 
 rule calibrate_device:
@@ -27,4 +29,4 @@ rule calibrate_device:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} calibrate --config {input.config} --out {output.constants} --raw {output.raw} > {log} 2>&1"
+        "python3 -m pkv.cli calibrate --config {input.config} --out {output.constants} --raw {output.raw} > {log} 2>&1"

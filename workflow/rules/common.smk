@@ -1,4 +1,5 @@
 # Profile resolution, path helpers and the job-graph helpers the rules use as inputs.
+import json
 import sys
 from pathlib import Path
 
@@ -21,7 +22,6 @@ PROFILE = resolve_profile(config["profile"], cuda_available())
 C = effective(config, PROFILE)
 validate(C, "../schemas/config.schema.yaml")
 ROOT = ROOTS[PROFILE]
-PKV = "python3 -m pkv.cli"
 HELDOUT = [str(s) for s in C["seeds"]["heldout"]]
 ABLATION_SEED = str(C["seeds"]["ablation"])
 
@@ -39,6 +39,11 @@ wildcard_constraints:
     engine_set="[a-z][a-z0-9]*",
     context="[0-9]+",
     group="[0-9]+",
+
+
+def config_json():
+    """The resolved config as canonical JSON: a change to it reruns freeze_config."""
+    return json.dumps(C, sort_keys=True)
 
 
 def out(path):

@@ -17,5 +17,5 @@ rule replay_external:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure external --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure external --config {input.config} --constants {input.constants} "
         "--trace {input.trace} --out {output.parquet} > {log} 2>&1"

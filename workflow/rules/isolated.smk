@@ -16,5 +16,5 @@ rule measure_isolated:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure isolated --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure isolated --config {input.config} --constants {input.constants} "
         "--context {wildcards.context} --out {output.parquet} > {log} 2>&1"

@@ -18,5 +18,5 @@ rule measure_mlp_proxy:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure mlp-proxy --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure mlp-proxy --config {input.config} --constants {input.constants} "
         "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"

@@ -19,4 +19,4 @@ rule capture_nsight:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} nsight --config {input.config} --constants {input.constants} --out {output.csv} > {log} 2>&1"
+        "python3 -m pkv.cli nsight --config {input.config} --constants {input.constants} --out {output.csv} > {log} 2>&1"

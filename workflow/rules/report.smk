@@ -1,5 +1,5 @@
 # Presentation: one rule per table (Markdown; LaTeX too for the paper's tables) and per
-# figure, each reading Parquet only and calling `pkv report ROOT --target FILE`.
+# figure, each reading Parquet only and calling `pkv report --target FILE`.
 
 for _name, _table in TABLES.items():
 
@@ -10,10 +10,12 @@ for _name, _table in TABLES.items():
             table_inputs(_name),
         output:
             md=out(f"tables/{_name}.md"),
+        conda:
+            "../../envs/pkv.yaml"
         log:
             out(f"logs/report/{_name}.md.log"),
         shell:
-            "{PKV} report {ROOT} --target {output.md} > {log} 2>&1"
+            "python3 -m pkv.cli report --target {output.md} > {log} 2>&1"
 
     if _table.latex:
 
@@ -24,10 +26,12 @@ for _name, _table in TABLES.items():
                 table_inputs(_name),
             output:
                 tex=out(f"tables/{_name}.tex"),
+            conda:
+                "../../envs/pkv.yaml"
             log:
                 out(f"logs/report/{_name}.tex.log"),
             shell:
-                "{PKV} report {ROOT} --target {output.tex} > {log} 2>&1"
+                "python3 -m pkv.cli report --target {output.tex} > {log} 2>&1"
 
 
 for _name in FIGURES:
@@ -39,7 +43,9 @@ for _name in FIGURES:
             figure_inputs(_name),
         output:
             png=out(f"figures/{_name}.png"),
+        conda:
+            "../../envs/pkv.yaml"
         log:
             out(f"logs/report/{_name}.png.log"),
         shell:
-            "{PKV} report {ROOT} --target {output.png} > {log} 2>&1"
+            "python3 -m pkv.cli report --target {output.png} > {log} 2>&1"

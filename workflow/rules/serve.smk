@@ -18,6 +18,6 @@ rule serve_trace:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "{PKV} measure serve --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.cli measure serve --config {input.config} --constants {input.constants} "
         "--family {wildcards.family} --max-active {wildcards.max_active} --seed {wildcards.seed} "
         "--engine-set {wildcards.engine_set} --out {output.parquet} > {log} 2>&1"

@@ -1,0 +1,240 @@
+"""The Snakemake pipeline: lint, config validation, the paper job graph, and the CPU smoke
+profile end to end in a temporary copy of the working tree (Parquet schema and
+provenance, every table and figure, report determinism, no output from a killed job,
+and a rerun that resumes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from pkv.io import PROVENANCE_KEYS, file_hash, read_meta
+from pkv.measure import COLUMNS
+from pkv.measure_config import SMOKE_BANNER, config_hash
+from pkv.report import targets
+
+REPO = Path(__file__).resolve().parents[1]
+SNAKEMAKE = [sys.executable, "-m", "snakemake"]
+CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
+CALIBRATION = CONFIG["seeds"]["calibration"]
+HELDOUT = CONFIG["seeds"]["heldout"]
+
+
+def snakemake(*args, cwd=REPO, check=True) -> subprocess.CompletedProcess:
+    done = subprocess.run([*SNAKEMAKE, *args], cwd=cwd, capture_output=True, text=True, timeout=900)
+    if check and done.returncode != 0:
+        raise AssertionError(f"snakemake {' '.join(args)} failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}")
+    return done
+
+
+def test_lint_is_clean():
+    done = snakemake("--lint")
+    assert "Congratulations" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("override, message", [
+    (["--config", "profile=fast"], "'fast' is not one of"),
+    (["--config", "nsight=maybe"], "'maybe' is not of type 'boolean'"),
+])
+def test_bad_config_fails_at_start_with_the_schema_message(override, message):
+    done = snakemake("-n", "--cores", "1", "all", *override, check=False)
+    assert done.returncode != 0
+    assert message in done.stdout + done.stderr
+
+
+def test_bad_nested_value_fails_before_any_job(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tolerance: {max_abs: -1.0, mean_abs: 3.0e-4}\n")
+    done = snakemake("-n", "--cores", "1", "all", "--configfile", "config.yaml", str(bad), check=False)
+    assert done.returncode != 0
+    assert "-1.0 is less than or equal to the minimum of 0" in done.stdout + done.stderr
+
+
+def _dry_run_jobs(*args) -> list[tuple[str, dict[str, str], str]]:
+    """(rule, wildcards, shell command) of every job `snakemake -n -p` prints."""
+    text = snakemake("-n", "-p", "--cores", "1", *args).stdout
+    jobs = []
+    for block in re.split(r"\n(?=(?:local)?rule \w+:)", text):
+        m = re.match(r"(?:local)?rule (\w+):", block.strip())
+        if not m:
+            continue
+        wc = re.search(r"^\s+wildcards: (.*)$", block, flags=re.M)
+        wildcards = dict(kv.split("=", 1) for kv in wc.group(1).split(", ")) if wc else {}
+        shell = re.search(r"^Shell command: (.*)$", block, flags=re.M)
+        jobs.append((m.group(1), wildcards, shell.group(1) if shell else ""))
+    return jobs
+
+
+def test_paper_fan_out_on_any_machine():
+    jobs = _dry_run_jobs("all", "--config", "profile=paper")
+    rules = [r for r, _, _ in jobs]
+    assert rules.count("calibrate_device") == 1
+    serve = [w for r, w, _ in jobs if r == "serve_trace"]
+    assert {int(w["seed"]) for w in serve} == set(HELDOUT)
+    points = {(p["family"], str(p["max_active"])) for p in CONFIG["serving"]}
+    assert {(w["family"], w["max_active"]) for w in serve} == points
+    assert len(serve) == len(points) * len(HELDOUT) * len(CONFIG["engine_sets"])
+    # No held-out seed feeds calibration: it reads only the frozen config and runs the
+    # calibration seed; every measuring job reads the frozen constants.
+    cal = next(s for r, _, s in jobs if r == "calibrate_device")
+    assert "--config results/config.json" in cal and not any(str(s) in cal for s in HELDOUT)
+    assert CALIBRATION not in HELDOUT
+    measuring = [s for r, _, s in jobs if r not in ("calibrate_device", "freeze_config", "all")
+                 and not r.startswith(("report_", "plot_"))]
+    assert measuring and all("--constants results/calibration/constants.json" in s for s in measuring)
+    assert {r for r in rules if r.startswith("sweep_b4")} and rules.count("sweep_b4") == len(HELDOUT)
+    assert "capture_nsight" not in rules
+    # Paper outputs go to results/, never results/smoke/.
+    assert not any("results/smoke" in s for _, _, s in jobs)
+
+
+def test_nsight_joins_all_only_when_enabled():
+    rules = [r for r, _, _ in _dry_run_jobs("all", "--config", "profile=paper", "nsight=True")]
+    assert rules.count("capture_nsight") == 1
+
+
+# ---------------------------------------------------------------- end to end, CPU smoke
+
+
+def _copy_tree(dest: Path) -> Path:
+    """The working tree as git sees it (tracked + untracked, not ignored), no results."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
+                           capture_output=True, text=True, check=True).stdout.split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if rel.startswith("results/") or not src.is_file():
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """A full smoke run in a copy of the tree, with two of the five held-out seeds (the
+    dry-run test checks all five) to stay within CI time."""
+    work = _copy_tree(tmp_path_factory.mktemp("pipeline"))
+    (work / "two-seeds.yaml").write_text(yaml.safe_dump({"smoke": {"seeds": {"heldout": HELDOUT[:2]}}}))
+    # Options that take several values go last, after the target.
+    args = ("--configfile", "config.yaml", "two-seeds.yaml", "--config", "profile=smoke")
+    t0 = time.perf_counter()
+    done = snakemake("all", "--cores", "2", *args, cwd=work)
+    return work, args, done, time.perf_counter() - t0
+
+
+@pytest.mark.slow
+def test_smoke_run_announces_itself_and_writes_only_under_results_smoke(smoke):
+    work, _, done, seconds = smoke
+    assert "SMOKE PROFILE" in done.stderr and SMOKE_BANNER in done.stderr
+    assert sorted(p.name for p in (work / "results").iterdir()) == ["smoke"]
+    print(f"smoke run (two held-out seeds): {seconds:.0f} s")
+
+
+@pytest.mark.slow
+def test_smoke_run_makes_every_table_and_figure(smoke):
+    work, *_ = smoke
+    root = work / "results" / "smoke"
+    for path in targets(root):
+        assert path.is_file() and path.stat().st_size > 0, path
+        if path.suffix in (".md", ".tex"):
+            assert SMOKE_BANNER in path.read_text(), path
+    assert (root / "figures" / "serving_ratios.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_parquet_schema_provenance_and_seeds(smoke):
+    work, *_ = smoke
+    root = work / "results" / "smoke"
+    cfg = json.loads((root / "config.json").read_text())
+    constants = root / "calibration" / "constants.json"
+    files = sorted((root / "raw").rglob("*.parquet"))
+    stages = {f.parent.name for f in files}
+    assert stages == {"calibrate", "serve", "isolated", "split_sensitivity", "b4_sweep", "gqa_sweep", "raggedness",
+                      "implementation", "mlp_proxy", "external"}
+    for f in files:
+        schema = pq.read_schema(f)
+        assert schema.names == list(COLUMNS), f
+        meta = read_meta(f)
+        assert set(PROVENANCE_KEYS) <= set(meta), f
+        assert meta["profile"] == "smoke" and meta["gpu"] == "cpu"
+        assert meta["config_hash"] == config_hash(cfg)
+        if f.parent.name != "calibrate":
+            assert meta["constants_hash"] == file_hash(constants)
+    cal = pq.read_table(root / "raw" / "calibrate" / "calibration.parquet").to_pandas()
+    assert set(cal["seed"]) == {CALIBRATION}
+    serve = [pq.read_table(f).to_pandas() for f in (root / "raw" / "serve").glob("*.parquet")]
+    seeds = {int(s) for frame in serve for s in frame["seed"].unique()}
+    assert seeds == set(HELDOUT[:2])
+    for frame in serve:
+        assert frame["route"].notna().all() and (frame["max_abs_err"] < 2e-3).all()
+        assert frame["cuda_s"].isna().all() and frame["wall_s"].gt(0).all()
+    assert json.loads(constants.read_text())["calibration_seed"] == CALIBRATION
+
+
+@pytest.mark.slow
+def test_report_regenerates_tables_bit_for_bit(smoke):
+    work, *_ = smoke
+    root = work / "results" / "smoke"
+    tables = sorted((root / "tables").iterdir())
+    before = {p.name: p.read_bytes() for p in tables}
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "report", str(root)], cwd=work, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert {p.name: p.read_bytes() for p in sorted((root / "tables").iterdir())} == before
+
+
+@pytest.mark.slow
+def test_failed_measurement_leaves_no_output(smoke, tmp_path):
+    work, *_ = smoke
+    root = work / "results" / "smoke"
+    cfg = json.loads((root / "config.json").read_text())
+    cfg["tolerance"] = {"max_abs": 1e-12, "mean_abs": 1e-12}   # every PKV engine now "fails"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "raw" / "serve.parquet"
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "serve", "--config", str(tmp_path / "config.json"),
+                           "--constants", str(root / "calibration" / "constants.json"), "--family", "bimodal",
+                           "--max-active", "8", "--seed", str(HELDOUT[0]), "--engine-set", "main", "--out", str(out)],
+                          cwd=work, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "max|e|" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists() and not list(tmp_path.rglob("*.tmp"))
+
+
+@pytest.mark.slow
+def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke):
+    work, args, *_ = smoke
+    root = work / "results" / "smoke"
+    serve = sorted((root / "raw" / "serve").glob("*.parquet"))
+    victims, kept = serve[:2], serve[2:]
+    for v in victims:
+        v.unlink()
+    stamps = {p: p.stat().st_mtime_ns for p in [*kept, root / "calibration" / "constants.json"]}
+    proc = subprocess.Popen([*SNAKEMAKE, "all", "--cores", "1", *args], cwd=work, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    logs = [root / "logs" / "serve" / (v.stem + ".log") for v in victims]
+    deadline = time.time() + 120
+    # Kill the whole run while the first re-made serve job is running.
+    while time.time() < deadline and not any(l.exists() and l.stat().st_mtime_ns > stamps[kept[0]] for l in logs):
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not any(v.exists() for v in victims), "a killed job left its output behind"
+    assert not list((root / "raw").rglob("*.tmp"))
+    # The rerun redoes only the two missing jobs (and the reports that read them).
+    dry = snakemake("all", "-n", "--rerun-incomplete", "--cores", "1", *args, cwd=work).stdout
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry, flags=re.M))
+    assert counts.get("serve_trace") == "2"
+    assert "calibrate_device" not in counts and "freeze_config" not in counts
+    snakemake("all", "--rerun-incomplete", "--cores", "2", *args, cwd=work)
+    assert all(v.exists() for v in victims)
+    assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
