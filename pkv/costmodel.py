@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.schedule import Counters
+from pkv.schedule import SplitPolicy, num_tiles
 from pkv.shape import Shape
 
 
@@ -98,10 +98,40 @@ def baseline_cost(route: str, shape: Shape, seq_lens: np.ndarray, k: Constants) 
     return RouteCost(route, kv, ctas, 1, 0.0)
 
 
-def schedule_cost(route: str, counters: Counters) -> RouteCost:
-    """A PersistentKV route costed from its schedule's exact counters."""
-    return RouteCost(route, float(counters.read_kv_bytes), float(counters.decode_ctas), counters.launches,
-                     float(counters.merge_bytes))
+# The two PersistentKV routes, costed in closed form from the step's lengths: the same
+# counts pkv.schedule's bucket and workqueue schedules produce (row-local bounds, so KV
+# bytes read = useful bytes), without building the task lists on the hot path.
+
+
+def _slot_bytes(shape: Shape) -> int:
+    return shape.group * (shape.head_dim + 2) * 4   # FP32 m, l and acc[D] per grouped head
+
+
+def _splits(lengths: np.ndarray, policy: SplitPolicy) -> np.ndarray:
+    return np.maximum(1, np.minimum(policy.splits, -(-num_tiles(lengths) // policy.min_tiles_per_split)))
+
+
+def bucket_cost(shape: Shape, seq_lens: np.ndarray, policy: SplitPolicy) -> RouteCost:
+    """Exact length buckets: one grid launch per distinct length (+ its merge if split)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    lengths, rows = np.unique(lens, return_counts=True)
+    splits = _splits(lengths, policy)
+    tasks = rows * shape.num_kv_heads * splits
+    merging = splits > 1
+    return RouteCost("bucket", float(lens.sum() * shape.kv_bytes_per_token), float(tasks.sum()),
+                     int(len(lengths) + merging.sum()), float(tasks[merging].sum() * _slot_bytes(shape)))
+
+
+def workqueue_cost(shape: Shape, seq_lens: np.ndarray, policy: SplitPolicy) -> RouteCost:
+    """Compact workqueue: chunks sized by the longest row, one launch (+ one merge)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    longest = int(lens.max())
+    chunk = -(-num_tiles(longest) // int(_splits(np.array([longest]), policy)[0]))
+    row_splits = -(-num_tiles(lens) // chunk)
+    tasks = int(row_splits.sum()) * shape.num_kv_heads
+    merging = bool(np.any(row_splits > 1))
+    return RouteCost("workqueue", float(lens.sum() * shape.kv_bytes_per_token), float(tasks), 1 + merging,
+                     float(tasks * _slot_bytes(shape)) if merging else 0.0)
 
 
 def eligible(shape: Shape, seq_lens: np.ndarray, k: Constants) -> bool:

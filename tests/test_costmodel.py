@@ -7,7 +7,11 @@ import pytest
 import torch
 
 from pkv.cache import PagedCache
-from pkv.costmodel import Constants, RouteCost, baseline_cost, choose, eligible, estimate, schedule_cost
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pkv.costmodel import (Constants, RouteCost, baseline_cost, bucket_cost, choose, eligible, estimate,
+                           workqueue_cost)
 from pkv.engines import make_engine
 from pkv.harness import StepState
 from pkv.paging import assign_pages
@@ -35,9 +39,21 @@ def _costs(lens, splits):
     lens = np.asarray(lens, dtype=np.int32)
     base = [baseline_cost(b, SHAPE, lens, H200_LIKE) for b in H200_LIKE.baseline_ctas_per_head]
     policy = SplitPolicy(splits, 4)
-    cands = [schedule_cost("bucket", bucket_schedule(lens, 8, policy).counters(SHAPE, lens, 132)),
-             schedule_cost("workqueue", workqueue_schedule(lens, 8, policy).counters(SHAPE, lens, 132))]
-    return base, cands
+    return base, [bucket_cost(SHAPE, lens, policy), workqueue_cost(SHAPE, lens, policy)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(lens=st.lists(st.integers(1, 5000), min_size=1, max_size=12), splits=st.integers(1, 40),
+       min_tiles=st.integers(1, 6), kv_heads=st.sampled_from([1, 2, 8]))
+def test_closed_form_costs_match_the_schedules(lens, splits, min_tiles, kv_heads):
+    shape = Shape(8, kv_heads, 16, 4, "float16")
+    lens = np.array(lens, dtype=np.int32)
+    policy = SplitPolicy(splits, min_tiles)
+    for cost, schedule in ((bucket_cost, bucket_schedule), (workqueue_cost, workqueue_schedule)):
+        c = schedule(lens, kv_heads, policy).counters(shape, lens, 1)
+        got = cost(shape, lens, policy)
+        assert (got.ctas, got.launches, got.merge_bytes, got.kv_bytes) == (
+            c.decode_ctas, c.launches, c.merge_bytes, c.read_kv_bytes), cost.__name__
 
 
 def test_b1_long_context_routes_to_persistentkv_splitting():

@@ -1,7 +1,8 @@
 """`adaptive`: the cost-model router (paper §3.5) over the baseline and PersistentKV engines.
 
 prepare() estimates T_r for every candidate route from the step's lengths and the frozen
-constants, then prepares only the chosen engine; run() runs that engine's plan, so a
+constants (closed-form counts, a few numpy ops on B lengths), then prepares only the
+chosen engine; run() runs that engine's plan, so a
 CUDA graph of run() captures exactly the chosen route.
 """
 
@@ -12,13 +13,12 @@ from dataclasses import dataclass
 import torch
 
 from pkv.cache import PagedCache
-from pkv.costmodel import Constants, baseline_cost, choose, eligible, schedule_cost
+from pkv.costmodel import Constants, baseline_cost, bucket_cost, choose, eligible, workqueue_cost
 from pkv.engines.base import Engine, Plan
-from pkv.engines.cpu import build_schedule
 from pkv.harness import StepState
 from pkv.schedule import SplitPolicy
 
-PKV_ROUTES = ("bucket", "workqueue")
+PKV_ROUTES = {"bucket": bucket_cost, "workqueue": workqueue_cost}
 
 
 @dataclass
@@ -51,9 +51,7 @@ class AdaptiveEngine(Engine):
         base = [baseline_cost(name, shape, lens, self.k) for name in self.baselines]
         cands = []
         if self.pkv and eligible(shape, lens, self.k):
-            for kind, policy in self.policies.items():
-                counters = build_schedule(kind, lens, shape.num_kv_heads, policy).counters(shape, lens, self.k.sm_count)
-                cands.append(schedule_cost(kind, counters))
+            cands = [PKV_ROUTES[kind](shape, lens, policy) for kind, policy in self.policies.items()]
         decision = choose(base, cands, step.active, self.k)
         engine = self.pkv.get(decision.route) or self.baselines[decision.route]
         inner = engine.prepare(step)
