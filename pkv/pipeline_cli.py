@@ -143,12 +143,11 @@ def measure_cmd(args) -> int:
 
 def nsight_cmd(args) -> int:
     """Profile `pkv measure nsight-trace` under ncu; the CSV parser is issue 6's."""
-    cfg = load_config(args.config)
     ncu = shutil.which("ncu")
     if ncu is None:
         raise OSError("nsight: `ncu` (Nsight Compute) is not on PATH; install it, or set `nsight: false` "
                       "in config.yaml (or pass --config nsight=False) to run `all` without the Nsight stage")
-    c = cfg["nsight_capture"]
+    c = load_config(args.config)["nsight_capture"]
     out = Path(args.out)
     cmd = [ncu, "--clock-control", "none", "--kernel-name-base", "demangled", "--kernel-name", c["kernel_filter"],
            "--metrics", ",".join(c["metrics"]), "--csv", "--log-file", str(out.with_suffix(".tmp.csv")),

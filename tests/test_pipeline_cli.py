@@ -1,0 +1,42 @@
+"""The pipeline commands' failure modes and the frozen config, without running a stage."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from pkv.measure_config import deep_merge, effective, resolve_profile
+
+
+def _pkv(*args, env=None):
+    return subprocess.run([sys.executable, "-m", "pkv.cli", *args], capture_output=True, text=True, env=env)
+
+
+def test_nsight_without_ncu_fails_at_once_and_says_how_to_turn_it_off(tmp_path):
+    done = _pkv("nsight", "--config", str(tmp_path / "config.json"), "--constants", str(tmp_path / "c.json"),
+                "--out", str(tmp_path / "ncu.csv"), env={"PATH": str(tmp_path)})
+    assert done.returncode == 2
+    assert "`ncu`" in done.stderr and "nsight: false" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "ncu.csv").exists()
+
+
+def test_freeze_config_is_canonical_json(tmp_path):
+    out = tmp_path / "config.json"
+    assert _pkv("freeze-config", "--json", json.dumps({"b": 1, "a": {"d": 2, "c": 3}, "profile": "smoke"}),
+                "--out", str(out)).returncode == 0
+    assert out.read_text() == '{\n  "a": {\n    "c": 3,\n    "d": 2\n  },\n  "b": 1,\n  "profile": "smoke"\n}\n'
+
+
+def test_smoke_profile_merges_over_the_paper_config():
+    config = yaml.safe_load(open("config.yaml"))
+    smoke = effective(config, "smoke")
+    assert smoke["profile"] == "smoke" and "smoke" not in smoke
+    assert smoke["shape"]["head_dim"] < config["shape"]["head_dim"]
+    assert smoke["baselines"] == ["reference"]
+    # Lists replace, dicts merge: untouched keys survive.
+    assert smoke["seeds"]["calibration"] == config["seeds"]["calibration"]
+    assert effective(config, "paper")["shape"] == config["shape"]
+    assert deep_merge({"a": {"b": 1, "c": [1, 2]}}, {"a": {"c": [3]}}) == {"a": {"b": 1, "c": [3]}}
+    assert resolve_profile("auto", cuda_available=True) == "paper"
+    assert resolve_profile("auto", cuda_available=False) == "smoke"
