@@ -212,8 +212,7 @@ def markdown(frame: pd.DataFrame, meta: dict, probes: dict[str, float], command:
         f"torch sum {probes['sum']:.0f}). Shape: Hq=32, d=128, fp16, page 16, 50% holes; "
         "graph µs = device time per call by CUDA-graph replay, events µs = CUDA events around each run() call "
         "(includes host launch gaps), wall = prepare + run + synchronize; GB/s = useful K+V bytes / graph time. "
-        "PersistentKV splits = best of the sweep in the Parquet's split_sweep column (<= 16 splits merge in a "
-        "thread-block cluster, more use the merge kernel).",
+        "PersistentKV splits = best of the sweep recorded in the Parquet's split_sweep column.",
         "",
         "| case | engine | splits | graph µs | events µs | GB/s | % roofline | wall µs (prepare+run+sync) |",
         "|---|---|---:|---:|---:|---:|---:|---:|",

@@ -159,7 +159,7 @@ class PkvEngine(Engine):
     """Split decode over the native block table; schedules from pkv.schedule."""
 
     def __init__(self, cache: PagedCache, name: str, policy: SplitPolicy | None = None, indexed_qo: bool = True,
-                 row_local: bool = True, early_exit: bool = True, cluster_merge: bool = True):
+                 row_local: bool = True, early_exit: bool = True, cluster_merge: bool = False):
         super().__init__(cache)
         s = cache.shape
         check_kv(cache.kv, s)
@@ -176,7 +176,8 @@ class PkvEngine(Engine):
         if self.policy.splits > MAX_SPLITS:
             raise ValueError(f"{name} supports at most {MAX_SPLITS} splits, got {self.policy.splits}")
         self.indexed_qo, self.row_local, self.early_exit = indexed_qo, row_local, early_exit
-        # Grid launches of <= 16 splits merge inside one thread-block cluster (no merge launch).
+        # Ablation: grid launches of <= 16 splits merge inside one thread-block cluster (no
+        # merge launch). Off by default: slower on the H200 except B1 8K (docs/perf-notes.md).
         self.cluster_merge = cluster_merge
         self.num_sms = num_sms(cache.device)
         self.page_shift = s.page_size.bit_length() - 1

@@ -128,8 +128,8 @@ SWITCHES = [
     ("pkv-bucket", dict(early_exit=False)),
     ("pkv-workqueue", dict(early_exit=False)),
     ("pkv-fused", dict(early_exit=False)),
-    ("pkv-masked", dict(cluster_merge=False)),
-    ("pkv-bucket", dict(cluster_merge=False, indexed_qo=False)),
+    ("pkv-masked", dict(cluster_merge=True)),
+    ("pkv-bucket", dict(cluster_merge=True, indexed_qo=False)),
 ]
 
 
@@ -152,22 +152,23 @@ def test_switches(name, options, dtype):
 @pytest.mark.parametrize("splits", [2, 7, 16])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_cluster_merge(lengths, splits, dtype):
-    """Grid launches of <= 16 splits merge in a thread-block cluster: same results as the merge kernel."""
+    """cluster_merge: grid launches of <= 16 splits merge in a thread-block cluster, as exactly as the merge kernel."""
     seed = seed_of("cluster", lengths, splits, dtype)
     lens = case_lens(lengths, 16, np.random.default_rng(seed))
     cache, step, q = make_case(lens, dtype=dtype, seed=seed)
     ref = reference(cache, step, q)
     for name in ("pkv-masked", "pkv-bucket"):
-        out, plan = run_engine(make_engine(name, cache, policy=SplitPolicy(splits, 1)), step, q)
+        out, plan = run_engine(make_engine(name, cache, policy=SplitPolicy(splits, 1), cluster_merge=True), step, q)
         check(out, ref, dtype, f"{name} cluster s{splits}")
         assert plan.counters.merge_launches == 0 and plan.launches == len(plan.args)
 
 
-@pytest.mark.parametrize("name", ["pkv-workqueue", "pkv-fused", "pkv-bucket", "pkv-masked"])
-def test_graph_replay(name):
+@pytest.mark.parametrize("name,options", [("pkv-workqueue", {}), ("pkv-fused", {}), ("pkv-bucket", {}),
+                                          ("pkv-masked", {"cluster_merge": True})])
+def test_graph_replay(name, options):
     """run() is capturable: replays see fresh Q; fused counters rearm; PDL merge edges hold."""
     cache, step, q = make_case([9 * K, 3 * K, 77], seed=11)
-    engine = make_engine(name, cache, policy=SplitPolicy(16))
+    engine = make_engine(name, cache, policy=SplitPolicy(16), **options)
     plan = engine.prepare(step)
     static_q = q.clone()
     engine.run(static_q, plan)  # warm-up outside capture
