@@ -1,4 +1,4 @@
-"""Device-time decomposition of one B1 step (run on the GPU from the repo root).
+"""Device-time decomposition of one B1 step (on the GPU, from the repo root: PYTHONPATH=. python3 scripts/gpu_check_diag.py).
 
 For B1 at 32K and 64K: per-call graph time with 1 call vs several calls per graph,
 decode-only (the merge dropped) vs decode + merge, fused, and FlashInfer tensor-core,
