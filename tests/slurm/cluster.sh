@@ -11,8 +11,9 @@
 #
 # No munge and no slurmdbd: AuthType=auth/none, accounting off (so no sacct history;
 # MinJobAge=300 keeps finished jobs visible to squeue/scontrol for five minutes).
-# One fake GPU (gres count only, no device file) so that `--gpus=1` requests from the
-# measuring rules are honoured by the scheduler and serialise as they would on a GPU node.
+# Two fake GPUs of type h200 (PKV_SLURM_GPUS, PKV_SLURM_GPU_TYPE) so that the measuring
+# rules' `--gpus=1` (or `--gpus=h200:1` when pinned) requests are scheduled by SLURM as on
+# a GPU node: at most one job per GPU at a time.
 set -euo pipefail
 
 cmd=${1:?usage: cluster.sh start|stop DIR}
@@ -60,6 +61,9 @@ start() {
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
 
   local host node_line ctld_port slurmd_port
+  local gpu_type=${PKV_SLURM_GPU_TYPE:-h200} ngpus=${PKV_SLURM_GPUS:-2} gpu_files
+  # One character device per fake GPU (slurmd counts them); nothing ever opens them.
+  gpu_files=$(printf '/dev/null,/dev/zero,/dev/full,/dev/random,/dev/urandom' | cut -d, -f1-"$ngpus")
   host=$(hostname -s)
   # slurmd -C reports this machine's real CPUs/sockets/memory; a node configured with
   # more than it has would be drained ("Low RealMemory").
@@ -101,12 +105,12 @@ SlurmctldLogFile=$dir/log/slurmctld.log
 SlurmdLogFile=$dir/log/slurmd.log
 SlurmctldDebug=info
 SlurmdDebug=${PKV_SLURMD_DEBUG:-info}
-$node_line NodeAddr=127.0.0.1 Gres=gpu:1 State=UNKNOWN
+$node_line NodeAddr=127.0.0.1 Gres=gpu:$gpu_type:$ngpus State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 EOF
-  # slurmd drops file-less GPUs, so the fake one is /dev/null: with task/none no device
-  # cgroup is set up, the file only gives the GRES an identity.
-  printf '%s\nNodeName=%s Name=gpu File=/dev/null\n' "$MARK" "$host" > "$dir/gres.conf"
+  # slurmd drops file-less GPUs, so each fake one is a harmless character device: with
+  # task/none no device cgroup is set up, the file only gives the GPU an identity.
+  printf '%s\nNodeName=%s Name=gpu Type=%s File=%s\n' "$MARK" "$host" "$gpu_type" "$gpu_files" > "$dir/gres.conf"
   mkdir -p "$ETC"
   cp "$dir/slurm.conf" "$dir/gres.conf" "$ETC/"
 
