@@ -48,8 +48,9 @@ COUNTER_FIELDS = ("decode_launches", "merge_launches", "extra_launches", "decode
 L2_FLUSH_BYTES = 256 << 20   # > 2x the L2 of any current GPU
 
 
-class CorrectnessError(RuntimeError):
-    """An engine's output left the tolerance; no timing of that trace is trustworthy."""
+class CorrectnessError(ValueError):
+    """An engine's output left the tolerance; no timing of that trace is trustworthy.
+    (A ValueError, so the CLI reports it in one line and exits 2.)"""
 
 
 @dataclass(frozen=True)

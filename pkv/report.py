@@ -34,10 +34,7 @@ class Raw:
 
     frame: pd.DataFrame
     metas: list[dict]
-
-    @property
-    def smoke(self) -> bool:
-        return any(m.get("profile") == "smoke" for m in self.metas)
+    smoke: bool
 
 
 def load(root: Path, stages: tuple[str, ...], required: bool = True) -> Raw:
@@ -51,7 +48,9 @@ def load(root: Path, stages: tuple[str, ...], required: bool = True) -> Raw:
                          "report each GPU's results folder separately")
     frames = [pq.read_table(f).to_pandas() for f in files]
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return Raw(frame, metas)
+    # A stage without files (Nsight off) takes the profile from the folder's other files.
+    profiles = metas or [read_meta(f) for f in sorted(root.glob("raw/*/*.parquet"))[:1]]
+    return Raw(frame, metas, any(m.get("profile") == "smoke" for m in profiles))
 
 
 # ---------------------------------------------------------------- ratios
