@@ -96,7 +96,8 @@ def figure_inputs(name):
 
 
 def final_outputs():
-    tables = [out(f"tables/{n}.md") for n in TABLES]
-    tables += [out(f"tables/{n}.tex") for n, t in TABLES.items() if t.latex]
-    figures = [out(f"figures/{n}.png") for n in FIGURES]
+    """Every table and figure (the report rules' outputs), plus the Nsight capture when enabled."""
+    tables = [getattr(rules, f"report_{n}").output.md for n in TABLES]
+    tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLES.items() if t.latex]
+    figures = [getattr(rules, f"plot_{n}").output.png for n in FIGURES]
     return tables + figures + stage_outputs("nsight")
