@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import statistics
 import sys
 import time
@@ -243,8 +242,6 @@ def run_kernels(args) -> int:
     frame = pd.DataFrame(rows)
     meta = io.provenance()
     command = "pkv " + " ".join(sys.argv[1:])
-    if os.environ.get("PKV_GIT_COMMIT"):  # the device's copy of the tree may carry no git history
-        meta["git_commit"] = os.environ["PKV_GIT_COMMIT"]
     io.write_parquet(frame, args.out, {**meta, "roofline_gbps": f"{roofline:.1f}",
                                        "read_sum_gbps": f"{probes['sum']:.1f}",
                                        "read_probe_gbps": f"{probes['probe']:.1f}", "command": command})

@@ -39,6 +39,9 @@ def dict_hash(obj) -> str:
 
 @cache
 def _git_commit() -> str:
+    # A copy of the tree without git history (a lent GPU machine) names its commit here.
+    if os.environ.get("PKV_GIT_COMMIT"):
+        return os.environ["PKV_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent)
