@@ -210,6 +210,20 @@ def test_failed_measurement_leaves_no_output(smoke, tmp_path):
     assert not out.exists() and not list(tmp_path.rglob("*.tmp"))
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of `pid`, from /proc (children first found, then theirs)."""
+    kids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            kids.append(int(stat.parent.name))
+    return kids + [d for k in kids for d in _descendants(k)]
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the running job through /proc")
 @pytest.mark.slow
 def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke):
     work, args, *_ = smoke
@@ -223,12 +237,17 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
     for log in logs:
         log.unlink()
     proc = subprocess.Popen([*SNAKEMAKE, "all", "--cores", "1", *args], cwd=work, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+                            stderr=subprocess.DEVNULL)
     deadline = time.time() + 300
     # Kill the whole run while the first re-made serve job is running.
     while time.time() < deadline and not any(log.exists() for log in logs):
         time.sleep(0.1)
-    os.killpg(proc.pid, signal.SIGKILL)
+    # Kill snakemake and the job it is running (its own session), all by pid.
+    for pid in [proc.pid, *_descendants(proc.pid)]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:   # ended on its own meanwhile
+            pass
     proc.wait()
     assert not any(v.exists() for v in victims), "a killed job left its output behind"
     assert not list((root / "raw").rglob("*.tmp"))
@@ -237,6 +256,7 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, flags=re.M))
     assert counts.get("serve_trace") == "2", dry.stdout[-3000:] + dry.stderr[-3000:]
     assert "calibrate_device" not in counts and "freeze_config" not in counts
+    snakemake("--unlock", *args, cwd=work)   # the killed run's stale lock
     snakemake("all", "--rerun-incomplete", "--cores", "2", *args, cwd=work)
     assert all(v.exists() for v in victims)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
