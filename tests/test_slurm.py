@@ -47,7 +47,10 @@ SMOKE_CONFIG = [] if os.environ.get("PKV_SLURM_TEST_FULL") == "1" else [
 
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not (REPO / "Snakefile").is_file(), reason="no Snakefile: the pipeline is not in this tree"),
+]
 
 
 def _plugin_installed() -> bool:
@@ -60,6 +63,15 @@ def _missing() -> list[str]:
     if not _plugin_installed():
         missing.append("snakemake-executor-plugin-slurm")
     return missing
+
+
+def _install_if_ci() -> str | None:
+    """With CI=true (or PKV_SLURM_INSTALL=1) install what is missing; a reason to skip, or None."""
+    if _missing() and (os.environ.get("CI") == "true" or os.environ.get("PKV_SLURM_INSTALL") == "1"):
+        r = subprocess.run(["bash", str(SETUP_SH)], capture_output=True, text=True, timeout=1200)
+        if r.returncode != 0:
+            return f"could not install SLURM ({SETUP_SH.name} exit {r.returncode}): {(r.stdout + r.stderr)[-800:]}"
+    return None
 
 
 def _copy_repo(dest: Path) -> Path:
@@ -92,8 +104,9 @@ def _jobs_of_dry_run(text: str) -> list[tuple[str, dict[str, str]]]:
 
 @pytest.fixture(scope="module")
 def paper_dry_run(tmp_path_factory):
-    if not _plugin_installed():
-        pytest.skip("snakemake-executor-plugin-slurm is not installed (pip install it, or run .ci/slurm-setup.sh)")
+    reason = _install_if_ci()
+    if reason or not _plugin_installed():
+        pytest.skip(reason or "snakemake-executor-plugin-slurm is not installed (pip install it, or run .ci/slurm-setup.sh)")
     work = _copy_repo(tmp_path_factory.mktemp("dry"))
     # No cluster reachable: a dry run must not need one.
     env = {**os.environ, "SLURM_CONF": str(work / "no-such-slurm.conf")}
@@ -152,10 +165,9 @@ class Cluster:
 def cluster(tmp_path_factory, request):
     if os.geteuid() != 0:
         pytest.skip("the SLURM test needs root (it runs slurmd and writes /etc/slurm/slurm.conf)")
-    if _missing() and (os.environ.get("CI") == "true" or os.environ.get("PKV_SLURM_INSTALL") == "1"):
-        r = subprocess.run(["bash", str(SETUP_SH)], capture_output=True, text=True, timeout=1200)
-        if r.returncode != 0:
-            pytest.skip(f"could not install SLURM ({SETUP_SH.name} exit {r.returncode}): {(r.stdout + r.stderr)[-800:]}")
+    reason = _install_if_ci()
+    if reason:
+        pytest.skip(reason)
     missing = _missing()
     if missing:
         pytest.skip(f"SLURM test needs {', '.join(missing)}: run .ci/slurm-setup.sh (CI=true does it itself)")
