@@ -4,6 +4,7 @@
 # Snakemake's SLURM executor plugin. Idempotent and quiet when everything is there.
 # Starts nothing: the test fixture starts and stops its own cluster (tests/slurm/cluster.sh).
 set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"  # slurmctld and slurmd live there
 
 need_apt=0
 for exe in slurmctld slurmd sbatch squeue sinfo scontrol scancel; do

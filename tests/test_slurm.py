@@ -39,6 +39,8 @@ REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
 SETUP_SH = REPO / ".ci" / "slurm-setup.sh"
 SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
+# The daemons install to /usr/sbin, which not every PATH (CI's included) need carry.
+SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
 GPU_TYPE = "h200"  # the fake GRES type; profiles/slurm/h200 pins to it
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 # Two held-out seeds instead of five keep the test within CI time (tests/slurm/two-seeds.yaml).
@@ -59,7 +61,7 @@ def _plugin_installed() -> bool:
 
 
 def _missing() -> list[str]:
-    missing = [t for t in SLURM_TOOLS if shutil.which(t) is None]
+    missing = [t for t in SLURM_TOOLS if shutil.which(t, path=SEARCH_PATH) is None]
     if not _plugin_installed():
         missing.append("snakemake-executor-plugin-slurm")
     return missing

@@ -15,6 +15,7 @@
 # rules' `--gpus=1` (or `--gpus=h200:1` when pinned) requests are scheduled by SLURM as on
 # a GPU node: at most one job per GPU at a time.
 set -euo pipefail
+export PATH="$PATH:/usr/sbin:/sbin"  # the daemons live there; not every root PATH has it
 
 cmd=${1:?usage: cluster.sh start|stop DIR}
 dir=${2:?usage: cluster.sh start|stop DIR}
