@@ -102,3 +102,26 @@ def table5(frame: pd.DataFrame, roofline_gbps: float) -> pd.DataFrame:
         "L2 hit %": g["l2_hit_pct"].mean(),
     })
     return out.reset_index().rename(columns={"kernel": "Kernel"})
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("nsight-parse", help="parse an ncu CSV capture into per-invocation Parquet (Table 5)")
+    p.add_argument("--csv", required=True, help="the capture (`pkv nsight` output)")
+    p.add_argument("--run", required=True, help="the Parquet of the profiled trace run; its provenance is the capture's")
+    p.add_argument("--constants", required=True, help="calibration constants: beta is the read roofline")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=parse_cmd)
+
+
+def parse_cmd(args) -> int:
+    import json
+
+    from pkv.io import file_hash, read_meta, write_parquet
+
+    frame = parse_ncu_csv(args.csv)
+    beta = json.loads(Path(args.constants).read_text())["beta_bytes_per_s"]
+    # The counters were read where the trace ran: keep that run's provenance (GPU, versions).
+    meta = {**read_meta(args.run), "stage": "nsight_kernels", "roofline_gbps": f"{beta / 1e9:.1f}",
+            "constants_hash": file_hash(args.constants), "source_csv": Path(args.csv).name}
+    write_parquet(frame, args.out, meta)
+    return 0

@@ -21,6 +21,7 @@ from tabulate import tabulate
 
 from pkv.io import atomic_write_text, read_meta
 from pkv.measure_config import SMOKE_BANNER
+from pkv.nsight import table5
 from pkv import report_figures
 
 FLASHINFER = ("flashinfer", "flashinfer-tc")
@@ -287,11 +288,14 @@ def t_external(raw: Raw) -> pd.DataFrame:
 
 
 def t_nsight(raw: Raw) -> pd.DataFrame:
-    counters = raw.frame
-    if counters.empty or "kernel" not in counters.columns:
+    if raw.frame.empty:
         return pd.DataFrame({"Kernel": ["(no parsed Nsight Compute capture in this results folder)"]})
-    metrics = [c for c in counters.columns if c != "kernel" and pd.api.types.is_numeric_dtype(counters[c])]
-    return counters.groupby("kernel", sort=True)[metrics].mean().reset_index().round(4).astype(str)
+    roofline = float(raw.metas[0]["roofline_gbps"])
+    t = table5(raw.frame, roofline)
+    for col, fmt in (("Time ms", ".4f"), ("SM thr. %", ".2f"), ("Mem. thr. %", ".2f"), ("DRAM GB/s", ".1f"),
+                     ("DRAM / roofline", ".3f"), ("L2 hit %", ".2f")):
+        t[col] = t[col].map(lambda v: num(v, fmt))
+    return t.astype(str)
 
 
 def t_coverage(raw: Raw) -> pd.DataFrame:
@@ -347,7 +351,8 @@ TABLES = {
                       "Means per decode step over every held-out seed; baselines report no schedule counters (–).",
                       ("serve",), t_counters, latex=True),
     "nsight": Table("Table 5: Nsight Compute hardware counters",
-                    "Per kernel, means over captured invocations.", ("nsight",), t_nsight, latex=True, required=False),
+                    "Per kernel, means over captured invocations; DRAM / roofline is read bandwidth over the calibrated beta.",
+                    ("nsight_kernels",), t_nsight, latex=True, required=False),
     "coverage": Table("Table 6: evidence and coverage map",
                       "Status: Positive when every seed's wall ratio > 1; baseline routes are no-regression cases.",
                       ("serve", "gqa_sweep", "mlp_proxy", "external"), t_coverage, latex=True),

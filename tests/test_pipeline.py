@@ -100,14 +100,14 @@ def test_paper_fan_out_on_any_machine(tree):
                  and not r.startswith(("report_", "plot_"))]
     assert measuring and all("--constants results/calibration/constants.json" in s for s in measuring)
     assert {r for r in rules if r.startswith("sweep_b4")} and rules.count("sweep_b4") == len(HELDOUT)
-    assert "capture_nsight" not in rules
+    assert "capture_nsight" not in rules and "parse_nsight" not in rules
     # Paper outputs go to results/, never results/smoke/.
     assert not any("results/smoke" in s for _, _, s in jobs)
 
 
 def test_nsight_joins_all_only_when_enabled(tree):
     rules = [r for r, _, _ in _dry_run_jobs(tree, "all", "--config", "profile=paper", "nsight=True")]
-    assert rules.count("capture_nsight") == 1
+    assert rules.count("capture_nsight") == 1 and rules.count("parse_nsight") == 1
 
 
 # ---------------------------------------------------------------- end to end, CPU smoke

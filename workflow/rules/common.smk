@@ -82,8 +82,8 @@ def stage_outputs(stage):
         return expand(rules.measure_mlp_proxy.output.parquet, seed=HELDOUT)
     if stage == "external":
         return [rules.replay_external.output.parquet]
-    if stage == "nsight":
-        return list(rules.capture_nsight.output) if C["nsight"] else []
+    if stage == "nsight_kernels":
+        return list(rules.parse_nsight.output) if C["nsight"] else []
     raise ValueError(f"unknown stage {stage!r}")
 
 
@@ -103,4 +103,4 @@ def final_outputs():
     tables = [getattr(rules, f"report_{n}").output.md for n in TABLES]
     tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLES.items() if t.latex]
     figures = [getattr(rules, f"plot_{n}").output.png for n in FIGURES]
-    return tables + figures + stage_outputs("nsight")
+    return tables + figures + stage_outputs("nsight_kernels")

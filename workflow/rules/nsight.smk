@@ -1,6 +1,6 @@
-# Table 5 capture: a short B8 trace under Nsight Compute (in `all` only with nsight: true).
-# Fails at once, saying how to turn the stage off, when `ncu` is missing. The CSV
-# parser into Parquet is issue 6.
+# Table 5: a short B8 trace under Nsight Compute (in `all` only with nsight: true), then
+# its CSV parsed into one row per kernel invocation. The capture fails at once, saying
+# how to turn the stage off, when `ncu` is missing.
 
 
 rule capture_nsight:
@@ -20,3 +20,19 @@ rule capture_nsight:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli nsight --config {input.config} --constants {input.constants} --out {output.csv} > {log} 2>&1"
+
+
+rule parse_nsight:
+    input:
+        csv=rules.capture_nsight.output.csv,
+        run=rules.capture_nsight.output.run,
+        constants=rules.calibrate_device.output.constants,
+    output:
+        parquet=out("raw/nsight_kernels/ncu.parquet"),
+    log:
+        out("logs/nsight/parse.log"),
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "python3 -m pkv.cli nsight-parse --csv {input.csv} --run {input.run} --constants {input.constants} "
+        "--out {output.parquet} > {log} 2>&1"
