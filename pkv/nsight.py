@@ -120,6 +120,7 @@ def parse_cmd(args) -> int:
 
     frame = parse_ncu_csv(args.csv)
     beta = json.loads(Path(args.constants).read_text())["beta_bytes_per_s"]
+    frame["roofline_gbps"] = beta / 1e9
     # The counters were read where the trace ran: keep that run's provenance (GPU, versions).
     meta = {**read_meta(args.run), "stage": "nsight_kernels", "roofline_gbps": f"{beta / 1e9:.1f}",
             "constants_hash": file_hash(args.constants), "source_csv": Path(args.csv).name}

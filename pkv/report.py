@@ -290,8 +290,7 @@ def t_external(raw: Raw) -> pd.DataFrame:
 def t_nsight(raw: Raw) -> pd.DataFrame:
     if raw.frame.empty:
         return pd.DataFrame({"Kernel": ["(no parsed Nsight Compute capture in this results folder)"]})
-    roofline = float(raw.metas[0]["roofline_gbps"])
-    t = table5(raw.frame, roofline)
+    t = table5(raw.frame, float(raw.frame["roofline_gbps"].iloc[0]))
     for col, fmt in (("Time ms", ".4f"), ("SM thr. %", ".2f"), ("Mem. thr. %", ".2f"), ("DRAM GB/s", ".1f"),
                      ("DRAM / roofline", ".3f"), ("L2 hit %", ".2f")):
         t[col] = t[col].map(lambda v: num(v, fmt))
@@ -416,7 +415,7 @@ def build_report(root: Path, only: list[Path]) -> list[Path]:
             atomic_write_text(path, render(name, table, load(root, table.stages, table.required), path.suffix[1:]))
         else:
             fig = report_figures.FIGURES[name]
-            raw = load(root, fig.stages)
+            raw = load(root, fig.stages, fig.required)
             report_figures.draw(name, raw.frame, raw.smoke, path)
         written.append(path)
     return written

@@ -139,10 +139,32 @@ def coverage(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
     _finish(fig, f"Coverage: wall throughput over the {_baseline_name(frame)}", smoke, path)
 
 
+def nsight(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
+    fig, (t_ax, bw_ax) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    if frame.empty:
+        for ax in (t_ax, bw_ax):
+            ax.set_axis_off()
+        t_ax.text(0.0, 0.5, "no Nsight Compute capture in this results folder (nsight: false)", fontsize=11)
+        _finish(fig, "Nsight Compute counters per kernel", smoke, path)
+        return
+    order = sorted(frame["kernel"].unique())
+    sns.barplot(frame, y="kernel", x="time_us", order=order, errorbar="sd", capsize=0.15, ax=t_ax)
+    t_ax.set_xlabel("time per invocation (µs)")
+    t_ax.set_ylabel("kernel")
+    sns.barplot(frame, y="kernel", x="dram_read_gbps", order=order, errorbar="sd", capsize=0.15, ax=bw_ax)
+    roofline = float(frame["roofline_gbps"].iloc[0])
+    bw_ax.axvline(roofline, color="black", linestyle="--", linewidth=1, label=f"read roofline β = {roofline:.0f} GB/s")
+    bw_ax.set_xlabel("DRAM read bandwidth (GB/s)")
+    bw_ax.set_ylabel("")
+    bw_ax.legend(loc="lower right", fontsize=8)
+    _finish(fig, "Nsight Compute counters per kernel (error bars: std over invocations)", smoke, path)
+
+
 @dataclass(frozen=True)
 class Figure:
     stages: tuple[str, ...]
     draw: Callable[[pd.DataFrame, bool, Path], None]
+    required: bool = True  # False: drawn (saying so) when the stage has no Parquet
 
 
 FIGURES = {
@@ -151,6 +173,7 @@ FIGURES = {
     "split_sensitivity": Figure(("split_sensitivity", "b4_sweep"), split_sensitivity),
     "launches_per_step": Figure(("serve",), launches_per_step),
     "coverage": Figure(("serve", "gqa_sweep"), coverage),
+    "nsight": Figure(("nsight_kernels",), nsight, required=False),
 }
 
 

@@ -48,3 +48,24 @@ def test_bad_captures(tmp_path, text, needle):
     p.write_text(text)
     with pytest.raises(NcuCsvError, match=needle.replace("(", r"\(").replace(")", r"\)")):
         parse_ncu_csv(p)
+
+
+def test_parse_command_keeps_the_profiled_runs_provenance(tmp_path):
+    import json
+
+    import pandas as pd
+
+    from pkv.cli import main
+    from pkv.io import read_meta, write_parquet
+
+    run = tmp_path / "run.parquet"
+    write_parquet(pd.DataFrame({"step": [0]}), run, {"gpu": "NVIDIA H200", "git_commit": "abc", "stage": "nsight"})
+    constants = tmp_path / "constants.json"
+    constants.write_text(json.dumps({"beta_bytes_per_s": 4.0e12}))
+    out = tmp_path / "kernels.parquet"
+    assert main(["nsight-parse", "--csv", str(FIXTURE), "--run", str(run), "--constants", str(constants), "--out", str(out)]) == 0
+    meta = read_meta(out)
+    assert meta["gpu"] == "NVIDIA H200" and meta["git_commit"] == "abc" and meta["stage"] == "nsight_kernels"
+    assert meta["roofline_gbps"] == "4000.0"
+    frame = pd.read_parquet(out)
+    assert len(frame) == 40 and (frame["roofline_gbps"] == 4000.0).all()
