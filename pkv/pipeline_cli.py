@@ -171,6 +171,11 @@ def report_cmd(args) -> int:
     if args.results_dir is None and len(roots) != 1:
         raise ValueError("name RESULTS_DIR, or --target files of one results folder")
     root = Path(args.results_dir) if args.results_dir else roots.pop()
-    for path in build_report(root, targets):
+
+    def skip(path: Path, reason: str) -> None:
+        print(f"skipped {path}: {reason}", file=sys.stderr)
+
+    # Named targets must exist; the whole report of a partly measured folder skips the rest.
+    for path in build_report(root, targets, on_missing=None if targets else skip):
         print(path)
     return 0

@@ -38,10 +38,14 @@ class Raw:
     smoke: bool
 
 
+class MissingStage(ValueError):
+    """A target's stage has not been measured in this results folder."""
+
+
 def load(root: Path, stages: tuple[str, ...], required: bool = True) -> Raw:
     files = sorted(f for s in stages for f in (root / "raw" / s).glob("*.parquet"))
     if not files and required:
-        raise ValueError(f"no Parquet under {', '.join(str(root / 'raw' / s) for s in stages)}; run the stage first")
+        raise MissingStage(f"no Parquet under {', '.join(str(root / 'raw' / s) for s in stages)}; run the stage first")
     metas = [read_meta(f) for f in files]
     gpus = sorted({m.get("gpu", "unknown") for m in metas})
     if len(gpus) > 1:
@@ -398,8 +402,12 @@ def targets(root: Path) -> list[Path]:
     return out
 
 
-def build_report(root: Path, only: list[Path]) -> list[Path]:
-    """Write every target (or only those named) under root; returns what was written."""
+def build_report(root: Path, only: list[Path], on_missing: Callable[[Path, str], None] | None = None) -> list[Path]:
+    """Write every target (or only those named) under root; returns what was written.
+
+    A target whose stage has no Parquet fails, unless `on_missing` is given: then it is
+    told (target, reason) and the target is skipped, as for a partly measured folder.
+    """
     wanted = targets(root)
     if only:
         unknown = [p for p in only if p not in wanted]
@@ -409,13 +417,23 @@ def build_report(root: Path, only: list[Path]) -> list[Path]:
         wanted = only
     written = []
     for path in wanted:
-        name = path.stem
-        if path.parent.name == "tables":
-            table = TABLES[name]
-            atomic_write_text(path, render(name, table, load(root, table.stages, table.required), path.suffix[1:]))
-        else:
-            fig = report_figures.FIGURES[name]
-            raw = load(root, fig.stages, fig.required)
-            report_figures.draw(name, raw.frame, raw.smoke, path)
+        try:
+            _write_target(root, path)
+        except MissingStage as e:
+            if on_missing is None:
+                raise
+            on_missing(path, str(e))
+            continue
         written.append(path)
     return written
+
+
+def _write_target(root: Path, path: Path) -> None:
+    name = path.stem
+    if path.parent.name == "tables":
+        table = TABLES[name]
+        atomic_write_text(path, render(name, table, load(root, table.stages, table.required), path.suffix[1:]))
+    else:
+        fig = report_figures.FIGURES[name]
+        raw = load(root, fig.stages, fig.required)
+        report_figures.draw(name, raw.frame, raw.smoke, path)

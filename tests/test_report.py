@@ -69,3 +69,14 @@ def test_unknown_target_and_missing_stage_fail_clearly(tmp_path):
         build_report(tmp_path, [tmp_path / "tables" / "nope.md"])
     with pytest.raises(ValueError, match="no Parquet under"):
         build_report(tmp_path, [tmp_path / "tables" / "serving.md"])
+
+
+def test_whole_report_of_a_partly_measured_folder_skips_unmeasured_stages(tmp_path):
+    _write(tmp_path, "s", _frame(_rows("flashinfer", 2.0, 1.0), _rows("adaptive", 1.0, 1.0)))
+    skipped = []
+    written = build_report(tmp_path, [], on_missing=lambda path, why: skipped.append((path.name, why)))
+    assert tmp_path / "tables" / "serving.md" in written and (tmp_path / "tables" / "serving.md").is_file()
+    assert ("isolated.md", f"no Parquet under {tmp_path / 'raw' / 'isolated'}; run the stage first") in skipped
+    assert not (tmp_path / "tables" / "isolated.md").exists()
+    with pytest.raises(ValueError, match="no Parquet under"):
+        build_report(tmp_path, [])   # without on_missing, a missing stage still fails
