@@ -325,8 +325,8 @@ def test_smoke_pipeline_through_slurm_equals_local_and_recovers_from_scancel(clu
 
     # 2. Nothing complete-looking from the killed job: every Parquet file under its final
     # name is whole (written to a temp name, then renamed). The killed job's own output is
-    # absent, or whole where its write beat the scancel; either way step 3 shows that
-    # Snakemake takes it as incomplete and makes it again.
+    # absent, or whole where its write beat the scancel; step 3 shows that the rerun makes
+    # it again, or keeps it where it is whole.
     import pyarrow.parquet as pq
 
     raw = slurm_work / smoke / "raw"
