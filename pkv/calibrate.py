@@ -6,7 +6,9 @@ point, the split counts of the bucket and workqueue routes (best wall throughput
 the configured grid). C_min is the CTA work per SM of the best bucket split at the
 lowest-batch point (where splitting is the only source of CTAs); each baseline's
 effective CTAs per (row, KV head) is the power of two whose roofline estimate best fits
-its measured step times (least squares in log time). Margins and gates are policy,
+its measured step times (least squares in log time). Each route's host time per step
+(H_r: wall time outside the CUDA-event span, i.e. planning and launch submission) is
+the median over the sweep. Margins and gates are policy,
 copied from the config. On the CPU smoke profile the same measurements run on the CPU
 (threads stand in for SMs) and the constants say so.
 """
@@ -125,6 +127,14 @@ def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes
     return float(min(FIT_CTAS, key=loss))
 
 
+def fit_host_s(frame: pd.DataFrame) -> dict:
+    """Route -> median seconds per step the host spends outside the device span; empty
+    where nothing was timed with CUDA events (the CPU smoke profile)."""
+    timed = frame[frame["cuda_s"].notna()]
+    host = (timed["wall_s"] - timed["cuda_s"]).clip(lower=0.0)
+    return {engine.removeprefix("pkv-"): float(h.median()) for engine, h in host.groupby(timed["engine"], sort=True)}
+
+
 def calibrate(cfg: dict) -> tuple[dict, pd.DataFrame]:
     """(constants.json content, the calibration sweep's rows)."""
     device = device_of(cfg)
@@ -147,4 +157,6 @@ def calibrate(cfg: dict) -> tuple[dict, pd.DataFrame]:
     k = Constants.from_dict(constants)
     constants["baseline_ctas_per_head"] = {
         b: fit_baseline_ctas(frame, b, k, shape.kv_bytes_per_token, shape.num_kv_heads) for b in cfg["baselines"]}
+    # After the CTA fit, which models device time only.
+    constants["host_s"] = fit_host_s(frame)
     return constants, frame

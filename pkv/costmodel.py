@@ -2,9 +2,14 @@
 
 For every candidate route r of a decode step
 
-    T_r = KVBytes_r / beta * max(1, C_min / C_r) + L_r * lambda + MergeBytes_r / beta
+    T_r = KVBytes_r / beta * max(1, C_min / C_r) + L_r * lambda + MergeBytes_r / beta + H_r
 
-with C_r the decode CTA work per SM and L_r the launch count. FlashInfer routes are
+with C_r the decode CTA work per SM, L_r the launch count and H_r the route's host time
+per step outside the device span (planning, launch submission). H_r extends the paper's
+device-time roofline: serving pays for it every step, and on the H200 it is most of a
+short step (FlashInfer's plan() about 0.5 ms against about 0.2 ms for ours, measured at
+calibration), so a device-only model keeps FlashInfer where it loses on wall time. A
+route with no calibrated H_r (CPU smoke, hand-built constants) is costed at 0. FlashInfer routes are
 estimated with one launch and `baseline_ctas_per_head[r]` CTAs per (row, KV head), the
 effective split its own planner exposes, fitted at calibration. A PersistentKV route
 must pass the eligibility gates (calibrated GQA group, long enough context) and beat the
@@ -15,12 +20,13 @@ All constants come from `constants.json` written by `pkv calibrate` on the GPU p
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from pkv.schedule import SplitPolicy, num_tiles
+from pkv.schedule import TILE_TOKENS, SplitPolicy
 from pkv.shape import Shape
 
 
@@ -37,11 +43,14 @@ class Constants:
     min_context: int
     min_tiles_per_split: int
     operating_points: dict = field(default_factory=dict)   # "family-bN" -> {"bucket": S, "workqueue": S}
+    host_s: dict = field(default_factory=dict)             # route -> H_r, seconds per step
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
             raise ValueError(f"constants out of range: beta={self.beta}, lambda={self.launch_s}, "
                              f"sm_count={self.sm_count}, c_min={self.c_min}")
+        if any(v < 0 for v in self.host_s.values()):
+            raise ValueError(f"negative host time in {self.host_s}")
         if not self.baseline_ctas_per_head:
             raise ValueError("constants name no baseline route")
 
@@ -67,6 +76,7 @@ class Constants:
             margins=tuple((int(m["max_active"]), float(m["margin"])) for m in d["margins"]),
             supported_groups=tuple(int(g) for g in d["supported_groups"]), min_context=int(d["min_context"]),
             min_tiles_per_split=int(d["min_tiles_per_split"]), operating_points=d.get("operating_points", {}),
+            host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
         )
 
     @classmethod
@@ -88,55 +98,69 @@ class RouteCost:
 def estimate(cost: RouteCost, k: Constants) -> float:
     occupancy = cost.ctas / k.sm_count
     stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
-    return cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
-
-
-def baseline_cost(route: str, shape: Shape, seq_lens: np.ndarray, k: Constants) -> RouteCost:
-    """A FlashInfer-like single-launch route reading every useful KV byte once."""
-    kv = float(np.asarray(seq_lens, dtype=np.int64).sum()) * shape.kv_bytes_per_token
-    ctas = len(seq_lens) * shape.num_kv_heads * k.baseline_ctas_per_head[route]
-    return RouteCost(route, kv, ctas, 1, 0.0)
+    return (cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
+            + k.host_s.get(cost.route, 0.0))
 
 
 # The two PersistentKV routes, costed in closed form from the step's lengths: the same
 # counts pkv.schedule's bucket and workqueue schedules produce (row-local bounds, so KV
-# bytes read = useful bytes), without building the task lists on the hot path.
+# bytes read = useful bytes), without building the task lists on the hot path. These run
+# once per decode step for a batch of a few to a few dozen rows, where plain Python ints
+# cost a fraction of numpy's per-call overhead (measured: about 95 us a step with numpy).
+
+
+def _lengths(seq_lens) -> list[int]:
+    return seq_lens.tolist() if isinstance(seq_lens, np.ndarray) else [int(n) for n in seq_lens]
 
 
 def _slot_bytes(shape: Shape) -> int:
     return shape.group * (shape.head_dim + 2) * 4   # FP32 m, l and acc[D] per grouped head
 
 
-def _splits(lengths: np.ndarray, policy: SplitPolicy) -> np.ndarray:
-    return np.maximum(1, np.minimum(policy.splits, -(-num_tiles(lengths) // policy.min_tiles_per_split)))
+def _tiles(length: int) -> int:
+    return -(-length // TILE_TOKENS)
 
 
-def bucket_cost(shape: Shape, seq_lens: np.ndarray, policy: SplitPolicy) -> RouteCost:
+def _splits(length: int, policy: SplitPolicy) -> int:
+    return max(1, min(policy.splits, -(-_tiles(length) // policy.min_tiles_per_split)))
+
+
+def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost:
+    """A FlashInfer-like single-launch route reading every useful KV byte once."""
+    lens = _lengths(seq_lens)
+    ctas = len(lens) * shape.num_kv_heads * k.baseline_ctas_per_head[route]
+    return RouteCost(route, float(sum(lens) * shape.kv_bytes_per_token), ctas, 1, 0.0)
+
+
+def bucket_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     """Exact length buckets: one grid launch per distinct length (+ its merge if split)."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    lengths, rows = np.unique(lens, return_counts=True)
-    splits = _splits(lengths, policy)
-    tasks = rows * shape.num_kv_heads * splits
-    merging = splits > 1
-    return RouteCost("bucket", float(lens.sum() * shape.kv_bytes_per_token), float(tasks.sum()),
-                     int(len(lengths) + merging.sum()), float(tasks[merging].sum() * _slot_bytes(shape)))
+    lens = _lengths(seq_lens)
+    tasks = launches = merged_tasks = 0
+    for length, rows in Counter(lens).items():
+        splits = _splits(length, policy)
+        bucket_tasks = rows * shape.num_kv_heads * splits
+        tasks += bucket_tasks
+        launches += 1 + (splits > 1)
+        merged_tasks += bucket_tasks if splits > 1 else 0
+    return RouteCost("bucket", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), launches,
+                     float(merged_tasks * _slot_bytes(shape)))
 
 
-def workqueue_cost(shape: Shape, seq_lens: np.ndarray, policy: SplitPolicy) -> RouteCost:
+def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     """Compact workqueue: chunks sized by the longest row, one launch (+ one merge)."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    longest = int(lens.max())
-    chunk = -(-num_tiles(longest) // int(_splits(np.array([longest]), policy)[0]))
-    row_splits = -(-num_tiles(lens) // chunk)
-    tasks = int(row_splits.sum()) * shape.num_kv_heads
-    merging = bool(np.any(row_splits > 1))
-    return RouteCost("workqueue", float(lens.sum() * shape.kv_bytes_per_token), float(tasks), 1 + merging,
+    lens = _lengths(seq_lens)
+    longest = max(lens)
+    chunk = -(-_tiles(longest) // _splits(longest, policy))
+    row_splits = [-(-_tiles(n) // chunk) for n in lens]
+    tasks = sum(row_splits) * shape.num_kv_heads
+    merging = max(row_splits) > 1
+    return RouteCost("workqueue", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), 1 + merging,
                      float(tasks * _slot_bytes(shape)) if merging else 0.0)
 
 
-def eligible(shape: Shape, seq_lens: np.ndarray, k: Constants) -> bool:
+def eligible(shape: Shape, seq_lens, k: Constants) -> bool:
     """The hard gates: calibrated GQA group and a long-context step."""
-    return shape.group in k.supported_groups and int(np.max(seq_lens)) >= k.min_context
+    return shape.group in k.supported_groups and max(_lengths(seq_lens)) >= k.min_context
 
 
 @dataclass(frozen=True)

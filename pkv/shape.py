@@ -48,7 +48,7 @@ class Shape:
 
     @property
     def itemsize(self) -> int:
-        return torch.empty((), dtype=self.torch_dtype).element_size()
+        return self.torch_dtype.itemsize
 
     @property
     def kv_bytes_per_token(self) -> int:

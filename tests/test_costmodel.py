@@ -3,6 +3,7 @@
 import dataclasses
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 
@@ -33,6 +34,45 @@ def test_estimate_is_the_paper_formula():
     assert estimate(c, H200_LIKE) == pytest.approx(want, rel=1e-12)
     # Past the occupancy target there is no stall factor.
     assert estimate(dataclasses.replace(c, ctas=132 * 8), H200_LIKE) == pytest.approx(want - 4.0e9 / 4.0e12, rel=1e-12)
+
+
+def test_host_time_is_added_to_its_own_route_only():
+    k = dataclasses.replace(H200_LIKE, host_s={"flashinfer": 5e-4, "workqueue": 1.5e-4})
+    c = RouteCost("flashinfer", kv_bytes=4.0e9, ctas=132 * 8, launches=1, merge_bytes=0.0)
+    assert estimate(c, k) == pytest.approx(estimate(c, H200_LIKE) + 5e-4, rel=1e-12)
+    other = dataclasses.replace(c, route="flashinfer-tc")   # no calibrated H_r: costed at 0
+    assert estimate(other, k) == estimate(other, H200_LIKE)
+
+
+def test_host_time_promotes_a_route_that_only_ties_on_device_time():
+    # Equal device work: the device-only model keeps the baseline (margin 1.05); FlashInfer's
+    # planning cost per step makes the workqueue the cheaper route to serve.
+    base = [RouteCost("flashinfer", 1e9, 132 * 4, 1, 0.0)]
+    cand = [RouteCost("workqueue", 1e9, 132 * 4, 1, 0.0)]
+    assert choose(base, cand, active=8, k=H200_LIKE).route == "flashinfer"
+    k = dataclasses.replace(H200_LIKE, host_s={"flashinfer": 5e-4, "workqueue": 1.5e-4})
+    d = choose(base, cand, active=8, k=k)
+    assert d.route == "workqueue"
+    assert d.estimates["flashinfer"] - d.estimates["workqueue"] == pytest.approx(3.5e-4, rel=1e-9)
+    # ... and between the FlashInfer variants it picks the one cheaper on the host.
+    both = [*base, dataclasses.replace(base[0], route="flashinfer-tc")]
+    k = dataclasses.replace(H200_LIKE, host_s={"flashinfer": 5e-4, "flashinfer-tc": 4e-4})
+    assert choose(both, [], active=8, k=k).route == "flashinfer-tc"
+
+
+def test_calibrated_host_time_is_the_median_outside_the_device_span():
+    from pkv.calibrate import fit_host_s
+
+    frame = pd.DataFrame({
+        "engine": ["flashinfer"] * 3 + ["pkv-workqueue"] * 3,
+        "wall_s": [6e-4, 7e-4, 9e-4, 3e-4, 2e-4, 2.5e-4],
+        "cuda_s": [1e-4, 1e-4, 2e-4, 1e-4, 1e-4, 1e-4],
+    })
+    got = fit_host_s(frame)
+    assert got.keys() == {"flashinfer", "workqueue"}   # keyed by route, as RouteCost names them
+    assert got["flashinfer"] == pytest.approx(6e-4) and got["workqueue"] == pytest.approx(1.5e-4)
+    # The CPU smoke profile times no CUDA events: nothing to fit, every route costed at 0.
+    assert fit_host_s(frame.assign(cuda_s=np.nan)) == {}
 
 
 def _costs(lens, splits):
@@ -98,6 +138,8 @@ def test_gates_group_and_context():
 def test_constants_reject_nonsense():
     with pytest.raises(ValueError):
         dataclasses.replace(H200_LIKE, beta=0.0)
+    with pytest.raises(ValueError, match="negative host time"):
+        dataclasses.replace(H200_LIKE, host_s={"flashinfer": -1e-6})
     with pytest.raises(ValueError, match="no frozen operating point"):
         H200_LIKE.split("zipf-b8", "workqueue")
     assert H200_LIKE.split("bucketed-b1", "fused") == 32

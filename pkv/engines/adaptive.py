@@ -47,7 +47,7 @@ class AdaptiveEngine(Engine):
 
     def prepare(self, step: StepState) -> AdaptivePlan:
         self.check_step(step)
-        shape, lens = self.cache.shape, step.seq_lens
+        shape, lens = self.cache.shape, step.seq_lens.tolist()   # the cost functions take ints
         base = [baseline_cost(name, shape, lens, self.k) for name in self.baselines]
         cands = []
         if self.pkv and eligible(shape, lens, self.k):
