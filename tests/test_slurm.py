@@ -4,8 +4,10 @@
   request (and, with profiles/slurm/h200, the pinned model) on every measuring job.
 - The CPU smoke pipeline runs end to end through `--executor slurm` on a throw-away
   cluster (tests/slurm/cluster.sh: slurmctld + slurmd, auth/none, no slurmdbd, two fake
-  GPUs of GRES type h200). One measuring job is scancel'ed while its command runs; the
-  rerun submits exactly that job again. The outputs then equal a local run's.
+  GPUs of GRES type h200). One serving job is parked with its whole Parquet written under
+  the temp name, just before the rename to the final name (tests/slurm/hold/
+  sitecustomize.py), and scancel'ed there: the kill leaves no output under the final
+  name, and the rerun submits exactly that job again. The outputs then equal a local run's.
 
 "Equal" for timing-bearing outputs (see docs/cluster.md): the same files; each Parquet
 file has the same columns and dtypes, the same number of rows and equal values in every
@@ -38,6 +40,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
 SETUP_SH = REPO / ".ci" / "slurm-setup.sh"
+HOLD_HOOK = REPO / "tests" / "slurm" / "hold"  # sitecustomize.py: parks one serve job before its rename
 SLURM_TOOLS = ("slurmctld", "slurmd", "sbatch", "squeue", "sinfo", "scontrol", "scancel")
 # The daemons install to /usr/sbin, which not every PATH (CI's included) need carry.
 SEARCH_PATH = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
@@ -189,15 +192,16 @@ def cluster(tmp_path_factory, request):
 
 @dataclass
 class SlurmRun:
-    """A `snakemake --executor slurm` run; watches squeue and can scancel one measuring job."""
+    """A `snakemake --executor slurm` run; watches squeue and, given a hold folder, scancels
+    the measuring job that tests/slurm/hold/sitecustomize.py parked before its rename."""
 
     cluster: Cluster
     work: Path
-    kill_rule: str | None = None
+    hold: Path | None = None
     seen: dict[str, dict[str, str]] = field(default_factory=dict)
     submitted: dict[str, Path] = field(default_factory=dict)  # SLURM job id -> its SLURM log
     killed: str | None = None
-    tried: set[str] = field(default_factory=set)
+    killed_paths: tuple[str, str] | None = None  # (final output, temp file) of the killed job
     output: list[str] = field(default_factory=list)
     returncode: int | None = None
 
@@ -212,8 +216,16 @@ class SlurmRun:
                 "--keep-incomplete",  # a killed job's files stay, to check what it left
                 "all"]
 
+    def environment(self) -> dict[str, str]:
+        if self.hold is None:
+            return self.cluster.env
+        self.hold.mkdir(parents=True, exist_ok=True)
+        # sbatch exports the submitting environment (--export=ALL), so every job sees the hook.
+        path = os.pathsep.join(filter(None, [str(HOLD_HOOK), self.cluster.env.get("PYTHONPATH", "")]))
+        return {**self.cluster.env, "PYTHONPATH": path, "PKV_TEST_HOLD_DIR": str(self.hold)}
+
     def run(self, timeout: float) -> "SlurmRun":
-        proc = subprocess.Popen(self.command(), cwd=self.work, env=self.cluster.env, stdout=subprocess.PIPE,
+        proc = subprocess.Popen(self.command(), cwd=self.work, env=self.environment(), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
         reader = threading.Thread(target=self._read, args=(proc,), daemon=True)
         reader.start()
@@ -225,6 +237,8 @@ class SlurmRun:
                 self._watch()
                 time.sleep(1)
         finally:
+            if self.hold is not None:
+                (self.hold / "release").touch()  # never leave a job parked
             if proc.poll() is None:
                 proc.terminate()  # snakemake cancels its SLURM jobs on SIGTERM
                 proc.wait(60)
@@ -243,30 +257,13 @@ class SlurmRun:
     def _watch(self):
         for jobid, info in self.cluster.squeue().items():
             self.seen.setdefault(jobid, {}).update(info)
-        if not self.kill_rule:
+        claimed = self.hold / "claimed" if self.hold is not None else None
+        if self.killed or claimed is None or not claimed.is_file():
             return
-        if self.killed and self.seen[self.killed]["state"] == "COMPLETED":
-            # It finished before the scancel landed: not a kill mid-way; try another job.
-            self.killed = None
-        if self.killed:
-            return
-        for jobid, slurm_log in list(self.submitted.items()):
-            info = self.seen.get(jobid, {})
-            if (jobid in self.tried or info.get("state") != "RUNNING"
-                    or not info.get("comment", "").startswith(f"rule_{self.kill_rule}_")):
-                continue
-            # The rule's own log fills once its command is past start-up and measuring:
-            # kill then (not while Snakemake starts inside the job), before its output is there.
-            text = slurm_log.read_text(errors="replace") if slurm_log.is_file() else ""
-            log = re.search(r"^\s+log: (\S+)", text, re.M)
-            outs = re.search(r"^\s+output: (.+)$", text, re.M)
-            rule_log = self.work / log.group(1) if log else None
-            pending = outs and not any((self.work / o).exists() for o in outs.group(1).split(", "))
-            if pending and rule_log and rule_log.is_file() and rule_log.stat().st_size > 0:
-                subprocess.run(["scancel", jobid], env=self.cluster.env, check=True, timeout=30)
-                self.killed = jobid
-                self.tried.add(jobid)
-                return
+        jobid, final, temp = claimed.read_text().rstrip("\n").split("\t")
+        subprocess.run(["scancel", jobid], env=self.cluster.env, check=True, timeout=30)
+        self.killed, self.killed_paths = jobid, (final, temp)
+        self.seen.setdefault(jobid, {})
 
     def text(self) -> str:
         return "".join(self.output)
@@ -309,15 +306,14 @@ def test_smoke_pipeline_through_slurm_equals_local_and_recovers_from_scancel(clu
     local_work = _copy_repo(tmp_path / "local")
     smoke = Path("results/smoke")
 
-    # 1. Through SLURM, killing one serving job while its command runs.
-    first = SlurmRun(cluster, slurm_work, kill_rule="serve_trace").run(timeout=2400)
-    if not first.killed:
-        # Seen in CI: on a loaded machine every serve job can finish between two polls, so
-        # none is caught running. Without a cancelled job the recovery steps check nothing.
-        pytest.skip("no serve_trace job was seen running to scancel (polling missed them); rerun the test")
+    # 1. Through SLURM, one serving job parked between its temp write and its rename
+    # (tests/slurm/hold/sitecustomize.py) and scancel'ed there.
+    first = SlurmRun(cluster, slurm_work, hold=tmp_path / "hold").run(timeout=2400)
+    assert first.killed, "no serve_trace job reached the hold:\n" + first.text()[-3000:]
     assert first.returncode != 0, "the run with a cancelled job must report the failure"
     killed = first.seen[first.killed]
     assert killed["state"] == "CANCELLED", killed
+    assert killed["comment"].startswith("rule_serve_trace_"), killed
     # Every measuring job asked SLURM for one GPU of the pinned model.
     gpu_jobs = {j: i for j, i in first.seen.items() if i["tres"] != "N/A"}
     assert gpu_jobs and set(gpu_jobs) <= set(first.submitted)
@@ -325,31 +321,27 @@ def test_smoke_pipeline_through_slurm_equals_local_and_recovers_from_scancel(clu
     # ... and left its SLURM log (written by slurmd, so the job really ran under SLURM).
     missing_logs = [j for j in first.submitted if j != first.killed and not first.submitted[j].is_file()]
     assert not missing_logs, missing_logs
+    # Presentation ran on the submit host (localrule), not through the queue.
+    assert not [i for i in first.seen.values() if i["comment"].startswith(("rule_report_", "rule_plot_"))]
 
-    # 2. Nothing complete-looking from the killed job: every Parquet file under its final
-    # name is whole (written to a temp name, then renamed). The killed job's own output is
-    # absent, or whole where its write beat the scancel; step 3 shows that the rerun makes
-    # it again, or keeps it where it is whole.
+    # 2. Nothing complete-looking from the killed job: its whole Parquet was on disk under
+    # the temp name only, and the kill left it there, not under the final name. Every
+    # Parquet file under a final name is whole.
     import pyarrow.parquet as pq
 
-    raw = slurm_work / smoke / "raw"
-    finished = sorted(raw.rglob("*.parquet"))
-    for f in finished:
+    final, temp = (slurm_work / p for p in first.killed_paths)
+    assert not final.exists(), f"the cancelled job left {final}"
+    assert temp.is_file() and temp.name.startswith(".") and temp.name.endswith(".tmp"), temp
+    for f in sorted((slurm_work / smoke / "raw").rglob("*.parquet")):
         pq.read_table(f)  # raises on a truncated file
-    killed_log = first.submitted[first.killed].read_text(errors="replace")
-    killed_out = re.search(r"--out (\S+\.parquet)", killed_log).group(1)
-    if (slurm_work / killed_out).exists():
-        pq.read_table(slurm_work / killed_out)
 
     # 3. The rerun submits exactly the killed measuring job again (plus the tables/figures
-    # downstream of it) and finishes.
+    # downstream of it, on the submit host) and finishes.
     second = SlurmRun(cluster, slurm_work).run(timeout=1200)
     assert second.returncode == 0, second.text()[-4000:]
-    resubmitted = {i["comment"] for j, i in second.seen.items() if j in second.submitted and i["tres"] != "N/A"}
-    # Where the write beat the scancel, the whole output may be kept instead of redone.
-    kept_whole = not resubmitted and (slurm_work / killed_out).is_file()
-    assert resubmitted == {killed["comment"]} or kept_whole, resubmitted
-    assert (slurm_work / killed_out).is_file()
+    resubmitted = {i["comment"] for j, i in second.seen.items() if j in second.submitted}
+    assert resubmitted == {killed["comment"]}, resubmitted
+    pq.read_table(final)
 
     # 4. A local run from the same frozen calibration (calibration itself is a timing).
     for rel in ("config.json", "calibration/constants.json", "raw/calibrate/calibration.parquet"):

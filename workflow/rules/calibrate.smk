@@ -8,6 +8,7 @@ rule freeze_config:
         config=config_json(),
     log:
         out("logs/freeze_config.log"),
+    localrule: True
     conda:
         "../../envs/pkv.yaml"
     shell:

@@ -31,6 +31,7 @@ rule parse_nsight:
         parquet=out("raw/nsight_kernels/ncu.parquet"),
     log:
         out("logs/nsight/parse.log"),
+    localrule: True
     conda:
         "../../envs/pkv.yaml"
     shell:

@@ -10,6 +10,7 @@ for _name, _table in TABLES.items():
             table_inputs(_name),
         output:
             md=out(f"tables/{_name}.md"),
+        localrule: True
         conda:
             "../../envs/pkv.yaml"
         log:
@@ -26,6 +27,7 @@ for _name, _table in TABLES.items():
                 table_inputs(_name),
             output:
                 tex=out(f"tables/{_name}.tex"),
+            localrule: True
             conda:
                 "../../envs/pkv.yaml"
             log:
@@ -43,6 +45,7 @@ for _name in FIGURES:
             figure_inputs(_name),
         output:
             png=out(f"figures/{_name}.png"),
+        localrule: True
         conda:
             "../../envs/pkv.yaml"
         log:
