@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.schedule import TILE_TOKENS, SplitPolicy
+from pkv.schedule import SplitPolicy, num_tiles
 from pkv.shape import Shape
 
 
@@ -117,12 +117,8 @@ def _slot_bytes(shape: Shape) -> int:
     return shape.group * (shape.head_dim + 2) * 4   # FP32 m, l and acc[D] per grouped head
 
 
-def _tiles(length: int) -> int:
-    return -(-length // TILE_TOKENS)
-
-
 def _splits(length: int, policy: SplitPolicy) -> int:
-    return max(1, min(policy.splits, -(-_tiles(length) // policy.min_tiles_per_split)))
+    return max(1, min(policy.splits, -(-num_tiles(length) // policy.min_tiles_per_split)))
 
 
 def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost:
@@ -150,8 +146,8 @@ def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     """Compact workqueue: chunks sized by the longest row, one launch (+ one merge)."""
     lens = _lengths(seq_lens)
     longest = max(lens)
-    chunk = -(-_tiles(longest) // _splits(longest, policy))
-    row_splits = [-(-_tiles(n) // chunk) for n in lens]
+    chunk = -(-num_tiles(longest) // _splits(longest, policy))
+    row_splits = [-(-num_tiles(n) // chunk) for n in lens]
     tasks = sum(row_splits) * shape.num_kv_heads
     merging = max(row_splits) > 1
     return RouteCost("workqueue", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), 1 + merging,
