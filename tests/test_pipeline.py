@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from pkv.io import PROVENANCE_KEYS, file_hash, read_meta
 from pkv.measure import COLUMNS
 from pkv.measure_config import SMOKE_BANNER, config_hash
 from pkv.report import targets
+from worktree import copy_worktree
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -64,7 +64,7 @@ def test_bad_nested_value_fails_before_any_job(tmp_path):
 @pytest.fixture(scope="module")
 def tree(tmp_path_factory) -> Path:
     """A copy of the working tree without results/, so the job graph is the full one."""
-    return _copy_tree(tmp_path_factory.mktemp("tree"))
+    return copy_worktree(tmp_path_factory.mktemp("tree"), "results/")
 
 
 def _dry_run_jobs(tree: Path, *args) -> list[tuple[str, dict[str, str], str]]:
@@ -113,24 +113,11 @@ def test_nsight_joins_all_only_when_enabled(tree):
 # ---------------------------------------------------------------- end to end, CPU smoke
 
 
-def _copy_tree(dest: Path) -> Path:
-    """The working tree as git sees it (tracked + untracked, not ignored), no results."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if rel.startswith("results/") or not src.is_file():
-            continue
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dest / rel)
-    return dest
-
-
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """A full smoke run in a copy of the tree, with two of the five held-out seeds (the
     dry-run test checks all five) to stay within CI time."""
-    work = _copy_tree(tmp_path_factory.mktemp("pipeline"))
+    work = copy_worktree(tmp_path_factory.mktemp("pipeline"), "results/")
     (work / "two-seeds.yaml").write_text(yaml.safe_dump({"smoke": {"seeds": {"heldout": HELDOUT[:2]}}}))
     # Options that take several values go last, after the target.
     args = ("--configfile", "config.yaml", "two-seeds.yaml", "--config", "profile=smoke")

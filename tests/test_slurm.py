@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from worktree import copy_worktree
 
 REPO = Path(__file__).resolve().parents[1]
 CLUSTER_SH = REPO / "tests" / "slurm" / "cluster.sh"
@@ -79,19 +80,6 @@ def _install_if_ci() -> str | None:
     return None
 
 
-def _copy_repo(dest: Path) -> Path:
-    """The working tree as git sees it (tracked + untracked, not ignored), without smoke results."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO,
-                           capture_output=True, text=True, check=True).stdout.split("\0")
-    for rel in filter(None, files):
-        src = REPO / rel
-        if rel.startswith("results/smoke/") or not src.is_file():
-            continue
-        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(src, dest / rel)
-    return dest
-
-
 def _jobs_of_dry_run(text: str) -> list[tuple[str, dict[str, str]]]:
     """(rule, resources) for every job block that `snakemake -n` prints."""
     jobs = []
@@ -112,7 +100,7 @@ def paper_dry_run(tmp_path_factory):
     reason = _install_if_ci()
     if reason or not _plugin_installed():
         pytest.skip(reason or "snakemake-executor-plugin-slurm is not installed (pip install it, or run .ci/slurm-setup.sh)")
-    work = _copy_repo(tmp_path_factory.mktemp("dry"))
+    work = copy_worktree(tmp_path_factory.mktemp("dry"), "results/smoke/")
     # No cluster reachable: a dry run must not need one.
     env = {**os.environ, "SLURM_CONF": str(work / "no-such-slurm.conf")}
     # --forceall: the full fan-out even where committed GPU results make jobs up to date.
@@ -302,8 +290,8 @@ def _compare_parquet(a: Path, b: Path) -> list[str]:
 
 
 def test_smoke_pipeline_through_slurm_equals_local_and_recovers_from_scancel(cluster, tmp_path):
-    slurm_work = _copy_repo(tmp_path / "slurm")
-    local_work = _copy_repo(tmp_path / "local")
+    slurm_work = copy_worktree(tmp_path / "slurm", "results/smoke/")
+    local_work = copy_worktree(tmp_path / "local", "results/smoke/")
     smoke = Path("results/smoke")
 
     # 1. Through SLURM, one serving job parked between its temp write and its rename
