@@ -22,16 +22,16 @@ import torch
 
 from pkv import io
 from pkv.cache import PagedCache
-from pkv.engines import make_engine
-from pkv.engines.gpu import num_sms
+from pkv.engines import make_engine, registry
+from pkv.engines.common import num_sms
 from pkv.harness import StepState
 from pkv.paging import assign_pages
 from pkv.schedule import SplitPolicy
 from pkv.shape import Shape
 
 K = 1024
-PKV_ENGINES = ("pkv-workqueue", "pkv-masked", "pkv-bucket", "pkv-fused")
-BASELINES = ("flashinfer", "flashinfer-tc", "flashinfer-persistent", "sdpa-repack")
+PKV_ENGINES = registry.names("pkv")
+BASELINES = registry.names("flashinfer", "sdpa")
 SPLIT_CANDIDATES = (4, 8, 12, 16, 24, 33, 48, 66)
 
 

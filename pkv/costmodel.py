@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.schedule import SplitPolicy, num_tiles
+from pkv.schedule import SplitPolicy, slot_bytes, workqueue_row_splits
 from pkv.shape import Shape
 
 
@@ -113,14 +113,6 @@ def _lengths(seq_lens) -> list[int]:
     return seq_lens.tolist() if isinstance(seq_lens, np.ndarray) else [int(n) for n in seq_lens]
 
 
-def _slot_bytes(shape: Shape) -> int:
-    return shape.group * (shape.head_dim + 2) * 4   # FP32 m, l and acc[D] per grouped head
-
-
-def _splits(length: int, policy: SplitPolicy) -> int:
-    return max(1, min(policy.splits, -(-num_tiles(length) // policy.min_tiles_per_split)))
-
-
 def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost:
     """A FlashInfer-like single-launch route reading every useful KV byte once."""
     lens = _lengths(seq_lens)
@@ -133,25 +125,23 @@ def bucket_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     lens = _lengths(seq_lens)
     tasks = launches = merged_tasks = 0
     for length, rows in Counter(lens).items():
-        splits = _splits(length, policy)
+        splits = policy.for_length(length)
         bucket_tasks = rows * shape.num_kv_heads * splits
         tasks += bucket_tasks
         launches += 1 + (splits > 1)
         merged_tasks += bucket_tasks if splits > 1 else 0
     return RouteCost("bucket", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), launches,
-                     float(merged_tasks * _slot_bytes(shape)))
+                     float(merged_tasks * slot_bytes(shape)))
 
 
 def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     """Compact workqueue: chunks sized by the longest row, one launch (+ one merge)."""
     lens = _lengths(seq_lens)
-    longest = max(lens)
-    chunk = -(-num_tiles(longest) // _splits(longest, policy))
-    row_splits = [-(-num_tiles(n) // chunk) for n in lens]
+    row_splits = workqueue_row_splits(lens, policy)
     tasks = sum(row_splits) * shape.num_kv_heads
     merging = max(row_splits) > 1
     return RouteCost("workqueue", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), 1 + merging,
-                     float(tasks * _slot_bytes(shape)) if merging else 0.0)
+                     float(tasks * slot_bytes(shape)) if merging else 0.0)
 
 
 def eligible(shape: Shape, seq_lens, k: Constants) -> bool:

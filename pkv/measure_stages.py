@@ -15,7 +15,7 @@ import torch
 
 from pkv.cache import PagedCache
 from pkv.costmodel import Constants
-from pkv.engines import Engine, make_engine
+from pkv.engines import Engine, make_engine, registry
 from pkv.harness import StepState, decode_steps
 from pkv.measure import Job, Tolerance, measure
 from pkv.measure_config import device_of, point_key, shape_of
@@ -46,7 +46,7 @@ def build_engine(spec: str, cache: PagedCache, k: Constants, point: str, split: 
         if split is not None:
             k = dataclasses.replace(k, operating_points={point: {"bucket": split, "workqueue": split}})
         return make_engine("adaptive", cache, constants=k, point=point)
-    if name.startswith("pkv-"):
+    if registry.family(name) == "pkv":
         policy = SplitPolicy(split or k.split(point, name[4:]), k.min_tiles_per_split)
         if not cache.kv.is_cuda:
             options["num_sms"] = k.sm_count
@@ -116,11 +116,12 @@ def isolated(cfg: dict, k: Constants, context: int) -> Result:
                   {"source": "isolated", "context": context})
     shape = shape_of(cfg)
     frames = []
-    fixed = [s for s in _with_baselines(cfg, c["engines"]) if not s.startswith("pkv-")]
+    split_engines = [s for s in c["engines"] if registry.family(parse_engine(s)[0]) == "pkv"]
+    fixed = [s for s in _with_baselines(cfg, c["engines"]) if s not in split_engines]
     job = Job("isolated", trace.name, "isolated", 1, seed, shape.group)
     frames.append(_run(cfg, job, trace, shape, fixed, k, "", holes=c["holes"], repeats=c["repeats"], reference_every=1))
     for split in cfg["calibration"]["split_grid"]:
-        pkv = _with_baselines(cfg, [s for s in c["engines"] if s.startswith("pkv-")])
+        pkv = _with_baselines(cfg, split_engines)
         j = dataclasses.replace(job, split=split)
         f = _run(cfg, j, trace, shape, pkv, k, "", split=split, holes=c["holes"], repeats=c["repeats"], reference_every=1)
         frames.append(f[~f["engine"].isin(cfg["baselines"])])

@@ -7,6 +7,12 @@ list on the CPU, so the two can be compared task for task.
 Split bounds (one rule everywhere, kernels included): a row of length N has
 `n = ceil(N / TILE_TOKENS)` tiles; with S splits each split owns `ceil(n / S)`
 consecutive tiles, clipped to N. Splits past the last tile are empty.
+
+The rules the paper defines once are written once, here, and imported by the
+schedules, the GPU launch builder (pkv.engines.persistent) and the cost model
+(pkv.costmodel): how many splits a row gets (`SplitPolicy.for_length`), how the
+workqueue cuts rows (`workqueue_row_splits`) and how big a partial-state slot is
+(`slot_floats`, `slot_bytes`).
 """
 
 from __future__ import annotations
@@ -52,6 +58,32 @@ class SplitPolicy:
 
     def for_length(self, length: int) -> int:
         return int(max(1, min(self.splits, -(-num_tiles(int(length)) // self.min_tiles_per_split))))
+
+
+def workqueue_chunk(longest: int, policy: SplitPolicy) -> int:
+    """Tiles per workqueue task: the longest row's tiles over the splits the policy gives it."""
+    return -(-num_tiles(int(longest)) // policy.for_length(int(longest)))
+
+
+def workqueue_row_splits(seq_lens, policy: SplitPolicy):
+    """Splits of each row in the compact workqueue: every row is cut into chunks of
+    `workqueue_chunk` tiles. A numpy array in, an int64 array out; a list of ints in
+    (the cost model's hot path, where numpy's per-call overhead dominates), a list out."""
+    if isinstance(seq_lens, np.ndarray):
+        chunk = workqueue_chunk(int(seq_lens.max()), policy)
+        return -(-num_tiles(seq_lens.astype(np.int64)) // chunk)
+    chunk = workqueue_chunk(max(seq_lens), policy)
+    return [-(-num_tiles(n) // chunk) for n in seq_lens]
+
+
+def slot_floats(shape: Shape) -> int:
+    """FP32 words of one partial-state slot: m and l for each of the G grouped query heads
+    plus acc[G, D]."""
+    return shape.group * (shape.head_dim + 2)
+
+
+def slot_bytes(shape: Shape) -> int:
+    return 4 * slot_floats(shape)
 
 
 @dataclass(frozen=True)
@@ -114,8 +146,6 @@ class Schedule:
         token_bytes_per_head = 2 * shape.head_dim * shape.itemsize
         read_tokens = sum(int((l.tasks[:, 4] - l.tasks[:, 3]).sum()) for l in self.launches)
         merging = [l for l in self.launches if l.needs_merge]
-        # Partial state per slot: m and l for each of the G heads plus acc[G, D], all FP32.
-        slot_bytes = shape.group * (shape.head_dim + 2) * 4
         return Counters(
             decode_launches=len(self.launches),
             merge_launches=len(merging),
@@ -125,7 +155,7 @@ class Schedule:
             num_sms=num_sms,
             useful_kv_bytes=int(np.asarray(seq_lens, dtype=np.int64).sum()) * shape.kv_bytes_per_token,
             read_kv_bytes=read_tokens * token_bytes_per_head,
-            merge_bytes=sum(l.num_tasks for l in merging) * slot_bytes,
+            merge_bytes=sum(l.num_tasks for l in merging) * slot_bytes(shape),
         )
 
 
@@ -165,9 +195,7 @@ def workqueue_schedule(seq_lens: np.ndarray, num_kv_heads: int, policy: SplitPol
     tile count, so tasks carry similar work and short rows produce few slots to merge.
     """
     seq_lens = _check_lens(seq_lens).astype(np.int64)
-    longest = int(seq_lens.max())
-    chunk = -(-num_tiles(longest) // policy.for_length(longest))
-    row_splits = -(-num_tiles(seq_lens) // chunk)
+    row_splits = workqueue_row_splits(seq_lens, policy)
     h = num_kv_heads
     per_seg = np.repeat(row_splits, h)
     seg = np.zeros(len(per_seg) + 1, dtype=np.int64)

@@ -1,13 +1,12 @@
-"""Engine registry. `make_engine(name, cache, ...)` picks the implementation for the cache's device."""
+"""Engines behind one interface. `make_engine(name, cache, ...)` builds any engine of the
+table in pkv.engines.registry, for the cache's device."""
 
 from __future__ import annotations
 
 from pkv.cache import PagedCache
 from pkv.engines.base import Engine, Plan
-from pkv.engines.cpu import ReferenceEngine, TaskListEngine
+from pkv.engines.registry import ENGINES, PKV_KINDS, build
 from pkv.schedule import SplitPolicy
-
-PKV_KINDS = {"pkv-bucket": "bucket", "pkv-masked": "masked", "pkv-workqueue": "workqueue"}
 
 
 def make_engine(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **options) -> Engine:
@@ -17,19 +16,7 @@ def make_engine(name: str, cache: PagedCache, policy: SplitPolicy | None = None,
     On a CPU cache the pkv-* engines are the task-list engine (the CUDA kernels' oracle);
     on a CUDA cache they launch the kernels of pkv.kernels.
     """
-    if name == "reference":
-        return ReferenceEngine(cache)
-    if name == "adaptive":
-        from pkv.engines.adaptive import AdaptiveEngine  # imports this registry for its candidates
-
-        return AdaptiveEngine(cache, **options)
-    if name in PKV_KINDS and not cache.kv.is_cuda:
-        return TaskListEngine(cache, PKV_KINDS[name], policy or SplitPolicy(8), **options)
-    if cache.kv.is_cuda:
-        from pkv.engines.gpu import make_gpu_engine  # needs the CUDA toolchain; import late
-
-        return make_gpu_engine(name, cache, policy=policy, **options)
-    raise ValueError(f"engine {name!r} needs a CUDA device; on the CPU use 'reference' or one of {sorted(PKV_KINDS)}")
+    return build(name, cache, policy, **options)
 
 
-__all__ = ["Engine", "Plan", "make_engine", "PKV_KINDS"]
+__all__ = ["ENGINES", "Engine", "Plan", "make_engine", "PKV_KINDS"]

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from pkv.engines.gpu import kernel_launches
+from pkv.engines.persistent import kernel_launches
 from pkv.schedule import SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
 
 BUILDERS = {"bucket": bucket_schedule, "masked": masked_schedule, "workqueue": workqueue_schedule}
