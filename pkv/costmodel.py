@@ -19,6 +19,7 @@ All constants come from `constants.json` written by `pkv calibrate` on the GPU p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.schedule import SplitPolicy, slot_bytes, workqueue_row_splits
+from pkv.schedule import TILE_TOKENS, SplitPolicy, slot_bytes, workqueue_chunk, workqueue_row_splits
 from pkv.shape import Shape
 
 
@@ -66,6 +67,13 @@ class Constants:
         if point not in self.operating_points:
             raise ValueError(f"no frozen operating point {point!r}; calibrated: {', '.join(sorted(self.operating_points))}")
         return int(self.operating_points[point][{"fused": "workqueue", "masked": "bucket"}.get(kind, kind)])
+
+    def at(self, point: str) -> "Constants":
+        """These constants as the router applies them at operating point `point`: its own
+        host times (H_r measured at that point, `operating_points[point]["host_s"]`) over
+        the global medians. Constants without per-point host times are returned as is."""
+        local = self.operating_points.get(point, {}).get("host_s")
+        return dataclasses.replace(self, host_s={**self.host_s, **local}) if local else self
 
     @classmethod
     def from_dict(cls, d: dict) -> "Constants":
@@ -170,3 +178,111 @@ def choose(baselines: list[RouteCost], candidates: list[RouteCost], active: int,
         if est[base] >= k.margin(active) * est[best]:
             return Decision(best, est[best], est)
     return Decision(base, est[base], est)
+
+
+class Router:
+    """The per-step decision of `choose` over fixed routes, fast enough to pay for itself.
+
+    Everything that does not change from step to step (shape terms, each route's policy
+    and constants, the margin of each active count) is taken once, here. A step costs:
+
+    - a cache lookup on its signature: the active request ids, the longest row's tile and
+      whether the step passes the context gate. Within one active set every row grows by
+      one token a step, so the rows' relative order, their distinct lengths and the bucket
+      structure are fixed, and estimates move by a few tokens' worth of bytes across the
+      32 steps of a tile; the decision is taken at the first step of each signature and
+      reused (tests check it equals the uncached decision on recorded traces; a reused
+      decision's estimate_s is that of its signature's first step);
+    - on a miss, the exact decision from integer counts: plain Python ints for a few
+      rows, a handful of vectorized numpy ops above that; the route costs and their
+      estimates are those of bucket_cost/workqueue_cost/baseline_cost and `estimate`.
+
+    `cache=False` gives the uncached decision (every step evaluated exactly).
+    """
+
+    SMALL = 16          # up to this many rows, plain Python beats numpy's per-call overhead
+    MAX_ENTRIES = 4096
+
+    def __init__(self, shape: Shape, k: Constants, baselines, policies: dict, cache: bool = True):
+        self.k, self.shape = k, shape
+        self.baselines = tuple(baselines)
+        self.policies = dict(policies)          # "bucket"/"workqueue" -> SplitPolicy; empty = gated out
+        self.kvb, self.h, self.slot = shape.kv_bytes_per_token, shape.num_kv_heads, slot_bytes(shape)
+        self.base_cta = {b: k.baseline_ctas_per_head[b] for b in self.baselines}
+        self.group_ok = bool(self.policies) and shape.group in k.supported_groups
+        self.cache = {} if cache else None
+        self.hits = self.misses = 0
+
+    def decide(self, request_ids: np.ndarray, seq_lens: np.ndarray) -> Decision:
+        active = len(seq_lens)
+        longest = int(seq_lens.max())
+        gate = self.group_ok and longest >= self.k.min_context
+        if self.cache is None:
+            return self._exact(seq_lens, active, longest, gate)
+        key = (request_ids.tobytes(), (longest + 31) >> 5, gate)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.misses += 1
+        d = self._exact(seq_lens, active, longest, gate)
+        if len(self.cache) >= self.MAX_ENTRIES:
+            self.cache.clear()
+        self.cache[key] = d
+        return d
+
+    def _exact(self, seq_lens: np.ndarray, active: int, longest: int, gate: bool) -> Decision:
+        small = active <= self.SMALL
+        lens = seq_lens.tolist() if small else seq_lens
+        total = sum(lens) if small else int(seq_lens.sum(dtype=np.int64))
+        kv_bytes = float(total * self.kvb)
+        base = [RouteCost(b, kv_bytes, active * self.h * self.base_cta[b], 1, 0.0) for b in self.baselines]
+        cands = []
+        if gate:
+            for kind, policy in self.policies.items():
+                count = self._bucket if kind == "bucket" else self._workqueue
+                tasks, launches, merged = count(lens, policy, None if small else seq_lens)
+                cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches, float(merged * self.h * self.slot)))
+        return choose(base, cands, active, self.k)
+
+    def _bucket(self, lens, policy: SplitPolicy, arr: np.ndarray | None = None):
+        """(split tasks per KV head, launches, merged tasks per KV head) of bucket_schedule."""
+        if arr is None:
+            tasks = launches = merged = 0
+            seen = {}
+            for n in lens:
+                s = seen.get(n)
+                if s is None:
+                    s = seen[n] = policy.for_length(n)
+                    launches += 1 + (s > 1)
+                tasks += s
+                merged += s if s > 1 else 0
+            return tasks, launches, merged
+        tiles = (arr.astype(np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
+        s = np.minimum((tiles + (policy.min_tiles_per_split - 1)) // policy.min_tiles_per_split, policy.splits)
+        tasks = int(s.sum())
+        singles = int(np.count_nonzero(s == 1))
+        ordered = np.sort(arr)
+        change = ordered[1:] != ordered[:-1]
+        distinct = int(np.count_nonzero(change)) + 1
+        # Distinct lengths whose bucket splits (s > 1): s is monotone in the length.
+        first_split = int(np.searchsorted(ordered, TILE_TOKENS * policy.min_tiles_per_split, side="right"))
+        if policy.splits > 1 and first_split < len(ordered):
+            split_distinct = int(np.count_nonzero(change[first_split:])) + 1
+        else:
+            split_distinct = 0
+        return tasks, distinct + split_distinct, tasks - singles
+
+    def _workqueue(self, lens, policy: SplitPolicy, arr: np.ndarray | None = None):
+        """(tasks per KV head, launches, merged tasks per KV head) of workqueue_schedule."""
+        if arr is None:
+            splits = workqueue_row_splits(lens, policy)
+            tasks = sum(splits)
+            merging = max(splits) > 1
+        else:
+            chunk = workqueue_chunk(int(arr.max()), policy)
+            tiles = (arr.astype(np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
+            row_splits = (tiles + (chunk - 1)) // chunk
+            tasks = int(row_splits.sum())
+            merging = int(row_splits.max()) > 1
+        return tasks, 1 + merging, tasks if merging else 0

@@ -44,7 +44,8 @@ def build_engine(spec: str, cache: PagedCache, k: Constants, point: str, split: 
     name, options = parse_engine(spec)
     if name == "adaptive":
         if split is not None:
-            k = dataclasses.replace(k, operating_points={point: {"bucket": split, "workqueue": split}})
+            k = dataclasses.replace(k, operating_points={point: {**k.operating_points.get(point, {}), "bucket": split,
+                                                                 "workqueue": split}})
         return make_engine("adaptive", cache, constants=k, point=point)
     if registry.family(name) == "pkv":
         policy = SplitPolicy(split or k.split(point, name[4:]), k.min_tiles_per_split)

@@ -21,3 +21,46 @@ def to_device_int32(parts: list[np.ndarray], device: torch.device) -> torch.Tens
         pos += len(p)
     return host.to(device, non_blocking=True)
 
+
+class PinnedStaging:
+    """The one host-to-device copy of a step's int32 metadata, through pinned buffers that
+    are allocated once and reused across steps (what a serving engine keeps).
+
+    A ring of `depth` buffers: a buffer is refilled only after the copy that last read it
+    has completed (a CUDA event per buffer), so a plan still in flight is never clobbered.
+    The device tensor a copy returns is fresh each call (the caching allocator's), so
+    earlier plans keep their metadata. On a CPU device it is an ordinary copy (tests)."""
+
+    def __init__(self, device: torch.device, depth: int = 2, capacity: int = 1 << 14):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.bufs = [self._alloc(capacity) for _ in range(depth)]
+        self.views = [b.numpy() for b in self.bufs]
+        self.events: list = [None] * depth
+        self.next = 0
+
+    def _alloc(self, n: int) -> torch.Tensor:
+        return torch.empty(n, dtype=torch.int32, pin_memory=self.cuda)
+
+    def upload(self, parts: list[np.ndarray]) -> torch.Tensor:
+        """Concatenate `parts` (int32-convertible) and issue one async copy to the device."""
+        total = sum(len(p) for p in parts)
+        i = self.next
+        self.next = (i + 1) % len(self.bufs)
+        if self.events[i] is not None:
+            self.events[i].synchronize()   # the previous copy out of this buffer is done
+        if len(self.views[i]) < total:
+            self.bufs[i] = self._alloc(max(total, 2 * len(self.views[i])))
+            self.views[i] = self.bufs[i].numpy()
+        view = self.views[i]
+        pos = 0
+        for p in parts:
+            view[pos:pos + len(p)] = p
+            pos += len(p)
+        out = self.bufs[i][:max(total, 1)].to(self.device, non_blocking=True)
+        if not self.cuda:
+            return out.clone() if out.data_ptr() == self.bufs[i].data_ptr() else out
+        if self.events[i] is None:
+            self.events[i] = torch.cuda.Event()
+        self.events[i].record()
+        return out

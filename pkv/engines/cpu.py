@@ -48,8 +48,8 @@ class TaskListEngine(Engine):
     """The PersistentKV algorithm in torch: the scheduler's tasks, then the segmented merge."""
 
     def __init__(self, cache, kind: str, policy: SplitPolicy, row_local: bool = True, indexed_qo: bool = True,
-                 early_exit: bool = True, num_sms: int = 1):
-        super().__init__(cache)
+                 early_exit: bool = True, num_sms: int = 1, validate: bool = True):
+        super().__init__(cache, validate)
         # early_exit changes only how the kernels spend time, not the math executed here.
         self.kind, self.policy, self.row_local, self.num_sms = kind, policy, row_local, num_sms
         self.indexed_qo, self.early_exit = indexed_qo, early_exit

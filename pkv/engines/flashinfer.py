@@ -15,10 +15,23 @@ from pkv.validate import check_kv
 
 
 class FlashInferEngine(Engine):
-    """FlashInfer's paged decode over the same kv tensor (layout HND), planned once per step."""
+    """FlashInfer's paged decode over the same kv tensor (layout HND), planned once per step.
 
-    def __init__(self, cache: PagedCache, name: str):
-        super().__init__(cache)
+    Lean adapter: prepare() is FlashInfer's own plan() on arrays a serving engine already
+    holds. Kept across steps, built once per engine (= per trace): the wrapper and its
+    workspace, the `qo_indptr` range. The step's FlashInfer view (host indptr and
+    last_page_len, page ids on the device) is built once per step and memoized on the
+    StepState; the measurement loop builds it in its untimed correctness pass, so the
+    timed prepare() is plan() plus a lookup. That is generous to FlashInfer (a serving
+    engine pays a gather kernel per step for the page ids; PersistentKV reads the block
+    table through request ids and has no such step): `pkv bench host` reports the view's
+    cost beside it.
+    """
+
+    VIEW_MEMO = 4   # steps whose views stay cached (the correctness pass, then the timed pass)
+
+    def __init__(self, cache: PagedCache, name: str, validate: bool = True):
+        super().__init__(cache, validate)
         check_kv(cache.kv, cache.shape)
         try:
             import flashinfer
@@ -27,23 +40,35 @@ class FlashInferEngine(Engine):
         self.name = name
         self.num_sms = num_sms(cache.device)
         self._workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=cache.device)
+        self._qo_indptr = torch.arange(cache.assignment.num_requests + 1, dtype=torch.int32)
+        self._views: dict[int, tuple] = {}
         if name == "flashinfer-persistent":
             self.wrapper = flashinfer.BatchAttention(kv_layout="HND", device=str(cache.device))
         else:
             self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, "HND", use_tensor_cores=name == "flashinfer-tc")
 
+    def view(self, step: StepState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(host indptr, device page ids, host last_page_len, host seq_lens) of `step`."""
+        hit = self._views.get(id(step))
+        if hit is not None and hit[0] is step:
+            return hit[1]
+        v = flashinfer_view(self.cache.assignment, step.request_ids, step.seq_lens)
+        arrays = (torch.from_numpy(v.indptr), torch.from_numpy(v.indices).to(self.cache.device),
+                  torch.from_numpy(v.last_page_len), torch.from_numpy(np.asarray(step.seq_lens, dtype=np.int32)))
+        if len(self._views) >= self.VIEW_MEMO:
+            self._views.pop(next(iter(self._views)))
+        self._views[id(step)] = (step, arrays)
+        return arrays
+
     def prepare(self, step: StepState) -> Plan:
         self.check_step(step)
+        indptr, indices, last, lens = self.view(step)
         s = self.cache.shape
-        view = flashinfer_view(self.cache.assignment, step.request_ids, step.seq_lens)
-        indptr, indices, last = (torch.from_numpy(a) for a in (view.indptr, view.indices, view.last_page_len))
         dt = s.torch_dtype
         if self.name == "flashinfer-persistent":
             # Host indptr/lengths (its plan reads them on the host), device page ids.
-            qo_indptr = torch.arange(step.active + 1, dtype=torch.int32)
-            lens = torch.from_numpy(np.asarray(step.seq_lens, dtype=np.int32))
-            self.wrapper.plan(qo_indptr, indptr, indices.to(self.cache.device), lens, s.num_qo_heads,
+            self.wrapper.plan(self._qo_indptr[:step.active + 1], indptr, indices, lens, s.num_qo_heads,
                               s.num_kv_heads, s.head_dim, s.head_dim, s.page_size, causal=False,
                               q_data_type=dt, kv_data_type=dt)
         else:

@@ -15,7 +15,7 @@ import torch
 
 from pkv.cache import PagedCache
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import num_sms, to_device_int32
+from pkv.engines.common import PinnedStaging, num_sms
 from pkv.engines.cpu import build_schedule
 from pkv.engines.registry import PKV_ENGINES
 from pkv.harness import StepState
@@ -136,8 +136,8 @@ class PkvEngine(Engine):
     """Split decode over the native block table; schedules from pkv.schedule."""
 
     def __init__(self, cache: PagedCache, name: str, policy: SplitPolicy | None = None, indexed_qo: bool = True,
-                 row_local: bool = True, early_exit: bool = True, cluster_merge: bool = False):
-        super().__init__(cache)
+                 row_local: bool = True, early_exit: bool = True, cluster_merge: bool = False, validate: bool = True):
+        super().__init__(cache, validate)
         s = cache.shape
         check_kv(cache.kv, s)
         if not cache.kv.is_cuda:
@@ -161,6 +161,7 @@ class PkvEngine(Engine):
         self._partial = torch.empty(0, dtype=torch.float32, device=cache.device)
         self._counters = torch.zeros(0, dtype=torch.int32, device=cache.device)
         self._empty_i32 = torch.empty(0, dtype=torch.int32, device=cache.device)
+        self._staging = PinnedStaging(cache.device)   # pinned metadata buffers, reused every step
         self.ops = _kernel_ops()
 
     def prepare(self, step: StepState) -> PkvPlan:
@@ -198,7 +199,7 @@ class PkvEngine(Engine):
                     0 if gathers else 1, int(self.early_exit), mode]
             args.append(LaunchArgs(offs, dims, len(launch.rows), launch.num_tasks, mode, rows_off, seg_off, gathers))
 
-        meta = to_device_int32(parts, self.cache.device)
+        meta = self._staging.upload(parts)
         need = max_slots * slot_floats(s) + 4  # + the acc block's 16-byte alignment
         if max_slots and self._partial.numel() < need:
             self._partial = torch.empty(need, dtype=torch.float32, device=self.cache.device)

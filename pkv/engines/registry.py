@@ -40,7 +40,7 @@ ENGINES: dict[str, EngineInfo] = {
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes", cpu=True),
 }
 
-PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge")
+PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate")
 
 
 def names(*families: str) -> tuple[str, ...]:
@@ -95,8 +95,9 @@ def build(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **opt
         from pkv.engines.graph import GraphEngine  # splits are decided on the GPU: no SplitPolicy
 
         return GraphEngine(cache, **options)
-    if options:
-        raise ValueError(f"engine {name!r} takes no options, got {sorted(options)}")
+    unknown = set(options) - {"validate"}
+    if unknown:
+        raise ValueError(f"engine {name!r} takes no options, got {sorted(unknown)}")
     if e.family == "flashinfer":
         from pkv.engines.flashinfer import FlashInferEngine
 

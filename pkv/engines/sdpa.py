@@ -10,7 +10,7 @@ import torch
 
 from pkv.cache import PagedCache
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import to_device_int32
+from pkv.engines.common import PinnedStaging
 from pkv.harness import StepState
 from pkv.validate import check_kv
 
@@ -26,9 +26,10 @@ class SdpaRepackEngine(Engine):
 
     name = "sdpa-repack"
 
-    def __init__(self, cache: PagedCache):
-        super().__init__(cache)
+    def __init__(self, cache: PagedCache, validate: bool = True):
+        super().__init__(cache, validate)
         check_kv(cache.kv, cache.shape)
+        self._staging = PinnedStaging(cache.device)
 
     def prepare(self, step: StepState) -> RepackPlan:
         self.check_step(step)
@@ -36,7 +37,7 @@ class SdpaRepackEngine(Engine):
         used = -(-np.asarray(step.seq_lens, dtype=np.int64) // p)
         table = self.cache.block_table_host[step.request_ids]
         parts = [table[i, :u] for i, u in enumerate(used)]
-        flat = to_device_int32(parts, self.cache.device).long()
+        flat = self._staging.upload(parts).long()
         offs = np.concatenate([[0], np.cumsum(used)])
         pages = [flat[int(offs[i]):int(offs[i + 1])] for i in range(len(used))]
         return RepackPlan(step, self.name, 2 * len(used), None, pages, [int(x) for x in step.seq_lens])
