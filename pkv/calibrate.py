@@ -1,16 +1,19 @@
 """`pkv calibrate`: fit the cost model's constants on the device present, freeze them.
 
-Measured here, never assumed: beta (streaming copy bandwidth), lambda (per-launch host
-overhead), the SM count, and on the calibration seed only, for every serving operating
-point, the split counts of the bucket and workqueue routes (best wall throughput over
-the configured grid). C_min is the CTA work per SM of the best bucket split at the
-lowest-batch point (where splitting is the only source of CTAs); each baseline's
-effective CTAs per (row, KV head) is the power of two whose roofline estimate best fits
-its measured step times (least squares in log time). Each route's host time per step
-(H_r: wall time outside the CUDA-event span, i.e. planning and launch submission) is
-the median over the sweep. Margins and gates are policy,
-copied from the config. On the CPU smoke profile the same measurements run on the CPU
-(threads stand in for SMs) and the constants say so.
+Measured here, never assumed: beta (streaming copy bandwidth), the SM count, and on the
+calibration seed only, for every serving operating point, the split counts of the bucket
+and workqueue routes (best wall throughput over the configured grid). The device terms
+of the PersistentKV routes, C_min (occupancy target, CTAs per SM) and lambda (cost of one
+launch inside the step's device span), are fitted jointly by least squares in log time
+to the CUDA-event time of every PersistentKV row of the sweep; the host's back-to-back
+launch overhead is recorded beside them (`launch_measured_s`) but is not lambda: a
+decode launch costs the step its ramp-up and tail as well. Each baseline's effective
+CTAs per (row, KV head) is the power of two whose roofline estimate best fits its
+measured step times. Each route's host time per step (H_r: wall time outside the
+CUDA-event span, i.e. planning and launch submission) is the median over the sweep,
+and per operating point (`operating_points[point]["host_s"]`), since it grows with the
+batch. Margins and gates are policy, copied from the config. On the CPU smoke profile
+the same measurements run on the CPU (threads stand in for SMs) and the constants say so.
 """
 
 from __future__ import annotations
@@ -107,12 +110,39 @@ def operating_points(frame: pd.DataFrame) -> dict:
     return points
 
 
-def fit_c_min(frame: pd.DataFrame, points: dict) -> float:
-    lowest = frame[frame["max_active"] == frame["max_active"].min()]
-    family, batch = lowest["family"].iloc[0], int(lowest["max_active"].iloc[0])
-    best = points[point_key(family, batch)]["bucket"]
-    rows = lowest[(lowest["family"] == family) & (lowest["engine"] == "pkv-bucket") & (lowest["split"] == best)]
-    return max(1.0, float(rows["cta_work_per_sm"].median()))
+FIT_C_MIN = tuple(round(0.25 + 0.05 * i, 2) for i in range(76))      # 0.25 .. 4.0 CTAs per SM
+FIT_LAUNCH_S = tuple(0.5e-6 * i for i in range(101))                   # 0 .. 50 us per launch
+
+
+def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[float, float]:
+    """(C_min, lambda) minimizing the squared log error of the PersistentKV routes' device
+    estimate (pkv.costmodel.estimate without H_r) against their measured step time (CUDA
+    events; wall time where none were timed), over every PersistentKV row of the sweep.
+
+    Why fitted, not set: the earlier heuristic (C_min = CTA work per SM of the best bucket
+    split at the lowest batch, lambda = back-to-back launch overhead on the host) made
+    the occupancy stall too steep (C_min 1.94) and launches too cheap (9.9 us): at
+    bimodal B4 it costed the workqueue's 96 CTAs at 2.7x the bytes time and the bucket
+    route's 8 launches at 79 us, so the router took the bucket route that ran slower on
+    every measure (results/raw/serve/bimodal-b4-*)."""
+    rows = frame[frame["engine"].str.startswith("pkv-") & frame["decode_ctas"].notna()]
+    if rows.empty:
+        raise ValueError("no PersistentKV rows to fit C_min and lambda on")
+    measured = rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
+    bytes_t = rows["useful_kv_bytes"].to_numpy() / beta
+    merge_t = rows["merge_bytes"].to_numpy() / beta
+    occupancy = rows["decode_ctas"].to_numpy() / sm_count
+    launches = rows["launches"].to_numpy()
+    log_measured = np.log(measured)
+    best = None
+    for c_min in FIT_C_MIN:
+        stall = np.where(occupancy > 0, np.maximum(1.0, c_min / np.maximum(occupancy, 1e-12)), c_min)
+        fixed = bytes_t * stall + merge_t
+        for lam in FIT_LAUNCH_S:
+            loss = float(np.sum((np.log(fixed + launches * lam) - log_measured) ** 2))
+            if best is None or loss < best[0]:
+                best = (loss, c_min, lam)
+    return float(best[1]), float(best[2])
 
 
 def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> float:
@@ -135,6 +165,34 @@ def fit_host_s(frame: pd.DataFrame) -> dict:
     return {engine.removeprefix("pkv-"): float(h.median()) for engine, h in host.groupby(timed["engine"], sort=True)}
 
 
+def fit_host_s_by_point(frame: pd.DataFrame) -> dict:
+    """Operating point -> fit_host_s of that point's rows (H_r grows with the batch: at B1
+    the bucket route's host path is shorter than the workqueue's, at B8 not)."""
+    return {point_key(family, int(batch)): fit_host_s(rows)
+            for (family, batch), rows in frame.groupby(["family", "max_active"], sort=True)}
+
+
+def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv_bytes_per_token: int,
+                  num_kv_heads: int) -> dict:
+    """The fitted part of constants.json from a calibration sweep (`frame`): operating
+    points with their host times, C_min and lambda, the baselines' CTAs, H_r. Runs on
+    the CPU, so a committed sweep can be refitted offline."""
+    out = dict(constants)
+    out.setdefault("launch_measured_s", out["launch_overhead_s"])
+    points = operating_points(frame)
+    for point, host in fit_host_s_by_point(frame).items():
+        if host:
+            points[point]["host_s"] = host
+    out["operating_points"] = points
+    out["c_min"], out["launch_overhead_s"] = fit_device_terms(frame, out["beta_bytes_per_s"], out["sm_count"])
+    k = Constants.from_dict(out)
+    out["baseline_ctas_per_head"] = {b: fit_baseline_ctas(frame, b, k, kv_bytes_per_token, num_kv_heads)
+                                     for b in baselines}
+    # After the CTA fit, which models device time only.
+    out["host_s"] = fit_host_s(frame)
+    return out
+
+
 def calibrate(cfg: dict) -> tuple[dict, pd.DataFrame]:
     """(constants.json content, the calibration sweep's rows)."""
     device = device_of(cfg)
@@ -145,6 +203,7 @@ def calibrate(cfg: dict) -> tuple[dict, pd.DataFrame]:
         "launch_overhead_s": launch_overhead(device, c["launch_samples"]),
         "sm_count": sm_count(device),
     }
+    measured["launch_measured_s"] = measured["launch_overhead_s"]
     constants = {
         "device": device_name(device), "profile": cfg["profile"], "calibration_seed": cfg["seeds"]["calibration"],
         **measured, "c_min": 1.0, "baseline_ctas_per_head": {b: 1.0 for b in cfg["baselines"]},
@@ -152,11 +211,5 @@ def calibrate(cfg: dict) -> tuple[dict, pd.DataFrame]:
         "min_context": policy["min_context"], "min_tiles_per_split": policy["min_tiles_per_split"],
     }
     frame = sweep(cfg, Constants.from_dict(constants))
-    constants["operating_points"] = operating_points(frame)
-    constants["c_min"] = fit_c_min(frame, constants["operating_points"])
-    k = Constants.from_dict(constants)
-    constants["baseline_ctas_per_head"] = {
-        b: fit_baseline_ctas(frame, b, k, shape.kv_bytes_per_token, shape.num_kv_heads) for b in cfg["baselines"]}
-    # After the CTA fit, which models device time only.
-    constants["host_s"] = fit_host_s(frame)
+    constants = fit_constants(constants, frame, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
     return constants, frame
