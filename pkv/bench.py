@@ -260,3 +260,6 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default="results/raw/kernels/kernels.parquet")
     p.add_argument("--table", default="results/tables/kernels.md")
     p.set_defaults(func=run_kernels)
+    from pkv import bench_host   # pkv bench host: the host path per engine and batch
+
+    bench_host.add_command(bench)
