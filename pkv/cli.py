@@ -8,7 +8,7 @@ import sys
 
 # Modules that add subcommands; each defines add_commands(subparsers) and gives every
 # parser a `func(args) -> int` default.
-COMMAND_MODULES = ["pkv.trace_cli", "pkv.pipeline_cli", "pkv.nsight", "pkv.bench"]
+COMMAND_MODULES = ["pkv.trace_cli", "pkv.pipeline_cli", "pkv.nsight", "pkv.bench", "pkv.report_router"]
 
 
 def build_parser() -> argparse.ArgumentParser:

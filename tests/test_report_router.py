@@ -1,0 +1,47 @@
+"""Router regret table and accuracy figure, from the committed H200 Parquet (into a temp
+folder: the committed results are never rewritten) and from constructed rows."""
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from pkv.costmodel import Constants
+from pkv.report_router import build, regret, regret_markdown
+
+ROOT = Path(__file__).resolve().parents[1] / "results"
+
+
+def _k():
+    return Constants("t", 4e12, 1e-5, 132, 1.0, {"flashinfer": 4.0, "flashinfer-tc": 4.0}, ((1024, 1.05),), (4,), 1, 4)
+
+
+def _rows(engine, wall, graph, route=None, steps=4, route_s=np.nan):
+    return [dict(family="bimodal", max_active=4, seed=1, engine=engine, route=route or engine, step=i, active=4,
+                 wall_s=wall, cuda_s=graph * 1.2, graph_s=graph, route_s=route_s) for i in range(steps)]
+
+
+def test_regret_against_the_best_fixed_route_in_hindsight():
+    frame = pd.DataFrame(_rows("flashinfer", 8e-4, 1.0e-4) + _rows("pkv-workqueue", 3e-4, 1.1e-4)
+                         + _rows("pkv-bucket", 4e-4, 1.2e-4) + _rows("flashinfer-persistent", 1e-4, 0.5e-4)
+                         + _rows("adaptive", 4e-4, 1.2e-4, route="pkv-bucket/s32", route_s=4e-6))
+    r = regret(frame, _k()).iloc[0]
+    # flashinfer-persistent is not a router candidate: never the "best fixed route".
+    assert r.best_wall_route == "pkv-workqueue" and r.wall_regret == pytest.approx(0.75)
+    assert r.best_device_route == "flashinfer" and r.device_regret == pytest.approx(1.0 / 1.2)
+    assert r.route_us_median == pytest.approx(4.0) and r.routes == "pkv-bucket/s32"
+    text = regret_markdown(regret(frame, _k()), smoke=False)
+    assert "| Bimodal B4 |" in text and "0.750 ✗" in text and "Wall bar met on 0 of 1" in text
+
+
+@pytest.mark.skipif(not (ROOT / "raw" / "serve").is_dir(), reason="no committed serving Parquet")
+def test_from_committed_results(tmp_path):
+    md, png = build(ROOT, tmp_path)
+    assert md == tmp_path / "tables" / "router_regret.md" and png.stat().st_size > 10_000
+    text = md.read_text()
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "trace" not in line]
+    assert len(lines) == len(list((ROOT / "raw" / "serve").glob("*.parquet")))
+    # The committed run's bimodal B4 rows: the bucket route where the workqueue was faster.
+    b4 = [line for line in lines if line.startswith("| Bimodal B4")]
+    assert b4 and all("pkv-bucket" in line and "| pkv-workqueue" in line for line in b4)
