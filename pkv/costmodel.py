@@ -193,14 +193,15 @@ class Router:
       32 steps of a tile; the decision is taken at the first step of each signature and
       reused (tests check it equals the uncached decision on recorded traces; a reused
       decision's estimate_s is that of its signature's first step);
-    - on a miss, the exact decision from integer counts: plain Python ints for a few
-      rows, a handful of vectorized numpy ops above that; the route costs and their
-      estimates are those of bucket_cost/workqueue_cost/baseline_cost and `estimate`.
+    - on a miss (about one step in eight on the serving traces: the active set changed),
+      the exact decision from integer counts: plain Python ints up to SMALL rows (split
+      counts memoized per tile count), a handful of vectorized numpy ops above; the
+      route costs and estimates equal bucket_cost/workqueue_cost/baseline_cost's.
 
     `cache=False` gives the uncached decision (every step evaluated exactly).
     """
 
-    SMALL = 16          # up to this many rows, plain Python beats numpy's per-call overhead
+    SMALL = 48          # up to this many rows, plain Python beats numpy's per-call overhead
     MAX_ENTRIES = 4096
 
     def __init__(self, shape: Shape, k: Constants, baselines, policies: dict, cache: bool = True):
@@ -211,6 +212,7 @@ class Router:
         self.base_cta = {b: k.baseline_ctas_per_head[b] for b in self.baselines}
         self.group_ok = bool(self.policies) and shape.group in k.supported_groups
         self.cache = {} if cache else None
+        self._split_memo: dict = {}
         self.hits = self.misses = 0
 
     def decide(self, request_ids: np.ndarray, seq_lens: np.ndarray) -> Decision:
@@ -233,32 +235,57 @@ class Router:
 
     def _exact(self, seq_lens: np.ndarray, active: int, longest: int, gate: bool) -> Decision:
         small = active <= self.SMALL
-        lens = seq_lens.tolist() if small else seq_lens
-        total = sum(lens) if small else int(seq_lens.sum(dtype=np.int64))
+        if small:
+            lens = seq_lens.tolist()
+            total = sum(lens)
+        else:
+            lens = None
+            total = int(seq_lens.sum(dtype=np.int64))
         kv_bytes = float(total * self.kvb)
         base = [RouteCost(b, kv_bytes, active * self.h * self.base_cta[b], 1, 0.0) for b in self.baselines]
         cands = []
         if gate:
+            if small:
+                tiles = [-(-n // TILE_TOKENS) for n in lens]           # pkv.schedule.num_tiles, inlined
+            else:
+                tiles = (seq_lens.astype(np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
+            longest_tiles = -(-longest // TILE_TOKENS)
             for kind, policy in self.policies.items():
-                count = self._bucket if kind == "bucket" else self._workqueue
-                tasks, launches, merged = count(lens, policy, None if small else seq_lens)
-                cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches, float(merged * self.h * self.slot)))
+                if kind == "bucket":
+                    tasks, launches, merged = (self._bucket_small(lens, tiles, policy) if small
+                                               else self._bucket_array(seq_lens, tiles, policy))
+                else:
+                    tasks, launches, merged = self._workqueue(tiles, longest, longest_tiles, policy, small)
+                cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches,
+                                       float(merged * self.h * self.slot)))
         return choose(base, cands, active, self.k)
 
-    def _bucket(self, lens, policy: SplitPolicy, arr: np.ndarray | None = None):
+    def _splits_of(self, policy: SplitPolicy) -> dict:
+        """tile count -> SplitPolicy.for_length, memoized across steps (one rule, asked once)."""
+        memo = self._split_memo.get(policy)
+        if memo is None:
+            memo = self._split_memo[policy] = {}
+        return memo
+
+    def _bucket_small(self, lens: list, tiles: list, policy: SplitPolicy):
         """(split tasks per KV head, launches, merged tasks per KV head) of bucket_schedule."""
-        if arr is None:
-            tasks = launches = merged = 0
-            seen = {}
-            for n in lens:
-                s = seen.get(n)
-                if s is None:
-                    s = seen[n] = policy.for_length(n)
-                    launches += 1 + (s > 1)
-                tasks += s
-                merged += s if s > 1 else 0
-            return tasks, launches, merged
-        tiles = (arr.astype(np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
+        memo = self._splits_of(policy)
+        tasks = launches = merged = 0
+        seen = set()
+        for n, t in zip(lens, tiles):
+            s = memo.get(t)
+            if s is None:
+                s = memo[t] = policy.for_length(t * TILE_TOKENS)
+            if n not in seen:
+                seen.add(n)
+                launches += 2 if s > 1 else 1
+            tasks += s
+            if s > 1:
+                merged += s
+        return tasks, launches, merged
+
+    @staticmethod
+    def _bucket_array(arr: np.ndarray, tiles: np.ndarray, policy: SplitPolicy):
         s = np.minimum((tiles + (policy.min_tiles_per_split - 1)) // policy.min_tiles_per_split, policy.splits)
         tasks = int(s.sum())
         singles = int(np.count_nonzero(s == 1))
@@ -273,16 +300,13 @@ class Router:
             split_distinct = 0
         return tasks, distinct + split_distinct, tasks - singles
 
-    def _workqueue(self, lens, policy: SplitPolicy, arr: np.ndarray | None = None):
+    @staticmethod
+    def _workqueue(tiles, longest: int, longest_tiles: int, policy: SplitPolicy, small: bool):
         """(tasks per KV head, launches, merged tasks per KV head) of workqueue_schedule."""
-        if arr is None:
-            splits = workqueue_row_splits(lens, policy)
-            tasks = sum(splits)
-            merging = max(splits) > 1
+        chunk = workqueue_chunk(longest, policy)
+        if small:
+            tasks = sum([-(-t // chunk) for t in tiles])
         else:
-            chunk = workqueue_chunk(int(arr.max()), policy)
-            tiles = (arr.astype(np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
-            row_splits = (tiles + (chunk - 1)) // chunk
-            tasks = int(row_splits.sum())
-            merging = int(row_splits.max()) > 1
+            tasks = int(((tiles + (chunk - 1)) // chunk).sum())
+        merging = -(-longest_tiles // chunk) > 1       # the longest row has the most splits
         return tasks, 1 + merging, tasks if merging else 0
