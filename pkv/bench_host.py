@@ -225,6 +225,7 @@ def run_host(args) -> int:
     batches = SMOKE["batches"] if smoke else tuple(int(b) for b in args.batches.split(","))
     steps = SMOKE["steps"] if smoke else args.steps
     min_len, max_len = (SMOKE["min_len"], SMOKE["max_len"]) if smoke else (args.min_len, args.max_len)
+    args.batches, args.steps, args.min_len, args.max_len = ",".join(map(str, batches)), steps, min_len, max_len
     engines = [e for e in args.engines.split(",") if e]
     if device_of(cfg) == "cpu":   # only the engines with a CPU implementation
         engines = [e for e in engines if registry.ENGINES[e].cpu]
