@@ -19,6 +19,10 @@ def make_engine(name: str, cache: PagedCache, policy: SplitPolicy | None = None,
     """
     if name == "reference":
         return ReferenceEngine(cache)
+    if name == "pkv-graph":
+        from pkv.engines.graph import GraphEngine  # CPU oracle or the v4 kernel, by the cache's device
+
+        return GraphEngine(cache, **options)
     if name == "adaptive":
         from pkv.engines.adaptive import AdaptiveEngine  # imports this registry for its candidates
 
