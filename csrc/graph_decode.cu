@@ -47,7 +47,6 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
   }
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    if (tid * kPer + i >= R) break;  // rows past the step are never read
     s_inc[tid * kPer + i] = before + inc[i];
     s_len[tid * kPer + i] = len[i];
     s_req[tid * kPer + i] = req[i];
@@ -118,22 +117,19 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
           part_l[slot * G + hh] = den;
         }
       });
-      // Publish the state (the barrier orders the CTA's writes before thread 0's fence),
-      // then count in; the last of the segment's CTAs merges.
+      // Publish the state, then count in; the last of the segment's CTAs merges.
+      __threadfence();
       __syncthreads();
       int* counter = p.counters + r * H + h;
-      if (tid == 0) {
-        __threadfence();
-        s_last = atomicAdd(counter, 1) == j1 - j0;
-      }
+      if (tid == 0) s_last = atomicAdd(counter, 1) == j1 - j0;
       __syncthreads();
       if (s_last) {
         __threadfence();
         const int first = j0 * W / n == seg_begin ? 2 * j0 : 2 * j0 + 1;
-        auto* s_red = reinterpret_cast<float4*>(smem);
         merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
-                                 [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out, s_red,
-                                 reinterpret_cast<float2*>(s_red + kThreads));
+                                 [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
+                                 reinterpret_cast<float*>(smem),
+                                 reinterpret_cast<float4*>(smem + (AttendCfg<D>::kSmem - kThreads * 16)));
         if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
       }
       __syncthreads();

@@ -8,6 +8,7 @@
 namespace pkv {
 namespace {
 
+constexpr int kMaxSegSlots = 256;  // slots per (row, kv head); the engine enforces splits <= this
 constexpr int kMergeThreads = 256;
 
 // Cluster mode: the CTA's merged state (m[8], l[8], acc[G*D]) past the warps' states.
@@ -135,10 +136,10 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) decode_ker
     __syncthreads();
     if (s_last) {
       __threadfence();
-      // The pipeline buffers are idle now: the merge's cross-thread reduction.
-      auto* s_red = reinterpret_cast<float4*>(smem);
-      merge_states<T, D, true>(p.partial, p.num_slots, G, hi - lo, [=](int i) { return lo + i; }, out, s_red,
-                               reinterpret_cast<float2*>(s_red + kThreads));
+      // The pipeline buffers are idle now: weights, then the cross-thread reduction.
+      float* s_w = reinterpret_cast<float*>(smem);
+      merge_states<T, D, true>(p.partial, p.num_slots, G, hi - lo, [=](int i) { return lo + i; }, out, s_w,
+                               reinterpret_cast<float4*>(s_w + kMaxSegSlots * 8));
       if (threadIdx.x == 0) p.counters[seg] = 0;
     }
   }
@@ -154,11 +155,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int out_row = p.qo_indexed ? p.rows[i] : i;
   const int Hq = p.num_kv_heads * p.group;
   T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(out_row) * Hq + kvh * p.group) * D;
+  __shared__ float s_w[kMaxSegSlots * 8];
   __shared__ float4 s_red[kMergeThreads];
-  __shared__ float2 s_ml[kMergeThreads];
   const int lo = p.seg_offsets[seg];
   merge_states<T, D, false>(p.partial, p.num_slots, p.group, p.seg_offsets[seg + 1] - lo,
-                            [=](int i) { return lo + i; }, out, s_red, s_ml);
+                            [=](int i) { return lo + i; }, out, s_w, s_red);
 }
 
 template <typename T, int D>

@@ -20,74 +20,76 @@ __device__ __forceinline__ float rescale(float m_s, float m) { return m_s == -IN
 
 // Exact merge of the n partial states slot_of(0..n-1) of one segment into its G output
 // heads (normalized). kCoherent reads through L2 (__ldcg): states written by other CTAs
-// of the same launch. Threads own float4 columns of acc (lanes > 1 threads share a
-// column's states) and fold the states into a running (m, l, acc) with rescale(); each
-// batch of kInFlight states issues its acc, m and l loads together, so the merge costs
-// ceil(n / kInFlight) L2 round trips. (Weights first, then acc, cost two more; a serial
-// loop over the states one per state: ~10 us at 24 splits, ncu of the v3 merge.)
-// s_red holds blockDim.x float4 and s_ml blockDim.x float2.
+// of the same launch. Weights w_s / sum_s w_s l_s are computed once into s_w (n * G
+// floats of shared memory); then threads own float4 columns of acc and stream the states
+// with kInFlight loads in flight. s_red holds blockDim.x float4.
 template <typename T, int D, bool kCoherent, class SlotOf>
 __device__ void merge_states(const float* partial, int num_slots, int G, int n, SlotOf slot_of, T* out_heads,
-                             float4* s_red, float2* s_ml) {
+                             float* s_w, float4* s_red) {
   constexpr int kInFlight = 16;
-  const int tid = threadIdx.x, nt = blockDim.x;
+  const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
   const float* m = partial;
   const float* l = partial + static_cast<int64_t>(num_slots) * G;
   const float4* acc = reinterpret_cast<const float4*>(partial + acc_offset(num_slots, G));
   auto ld = [](const float* q) { return kCoherent ? __ldcg(q) : __ldg(q); };
+  __shared__ float s_max[16], s_inv[16];
+  // Every m in one round of loads; then one warp per head reduces max and denominator
+  // with its lanes striding the states (the l loads in parallel too). A serial loop over
+  // the states here cost one L2 round trip per state: ~10 us at 24 splits (ncu, v3 merge).
+  for (int i = tid; i < n * G; i += nt) s_w[i] = ld(m + static_cast<int64_t>(slot_of(i / G)) * G + i % G);
+  __syncthreads();
+  for (int g = warp; g < G; g += nt / 32) {
+    float mx = -INFINITY;
+    for (int s = lane; s < n; s += 32) mx = fmaxf(mx, s_w[s * G + g]);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+    float den = 0.f;
+    for (int s = lane; s < n; s += 32)
+      den += rescale(s_w[s * G + g], mx) * ld(l + static_cast<int64_t>(slot_of(s)) * G + g);
+#pragma unroll
+    for (int o = 16; o; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
+    if (lane == 0) s_max[g] = mx, s_inv[g] = 1.f / den;
+  }
+  __syncthreads();
+  for (int i = tid; i < n * G; i += nt) s_w[i] = rescale(s_w[i], s_max[i % G]) * s_inv[i % G];
+  __syncthreads();
+
   const int cols = G * D / 4;                      // float4 columns of acc per slot
-  const int lanes = cols >= nt ? 1 : nt / cols;    // threads splitting one column's states
-  const int span = nt / lanes;                     // columns per pass
-  for (int c0 = 0; c0 < cols; c0 += span) {
-    const int c = c0 + tid % span, r = tid / span;
+  const int lanes = cols >= nt ? 1 : nt / cols;    // threads splitting one column's slots
+  for (int c0 = 0; c0 < cols; c0 += nt / lanes) {
+    const int c = c0 + tid % (nt / lanes), r = tid / (nt / lanes);
     const int h = c / (D / 4);
     float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-    float mr = -INFINITY, lr = 0.f;
     if (c < cols && r < lanes) {
       for (int s0 = r; s0 < n; s0 += kInFlight * lanes) {
         float4 v[kInFlight];
-        float mu[kInFlight], lu[kInFlight];
 #pragma unroll
         for (int u = 0; u < kInFlight; ++u) {
-          // Clamped (and skipped below) rather than branched: all loads issue back to back.
-          const int64_t slot = slot_of(min(s0 + u * lanes, n - 1));
-          v[u] = kCoherent ? __ldcg(acc + slot * cols + c) : __ldg(acc + slot * cols + c);
-          mu[u] = ld(m + slot * G + h);
-          lu[u] = ld(l + slot * G + h);
+          // Clamped (weight 0 past n) rather than branched: all 8 loads issue back to back.
+          const float4* src = acc + static_cast<int64_t>(slot_of(min(s0 + u * lanes, n - 1))) * cols + c;
+          v[u] = kCoherent ? __ldcg(src) : __ldg(src);
         }
 #pragma unroll
         for (int u = 0; u < kInFlight; ++u) {
-          if (s0 + u * lanes >= n) break;
-          const float mx = fmaxf(mr, mu[u]);
-          const float a = rescale(mr, mx), b = rescale(mu[u], mx);
-          sum.x = sum.x * a + v[u].x * b; sum.y = sum.y * a + v[u].y * b;
-          sum.z = sum.z * a + v[u].z * b; sum.w = sum.w * a + v[u].w * b;
-          lr = lr * a + lu[u] * b;
-          mr = mx;
+          const int s = s0 + u * lanes;
+          const float w = s < n ? s_w[s * G + h] : 0.f;
+          sum.x += w * v[u].x; sum.y += w * v[u].y; sum.z += w * v[u].z; sum.w += w * v[u].w;
         }
       }
     }
     if (lanes > 1) {
       s_red[tid] = sum;
-      s_ml[tid] = make_float2(mr, lr);
       __syncthreads();
       if (r == 0 && c < cols)
         for (int k = 1; k < lanes; ++k) {
-          const float4 o = s_red[k * span + tid];
-          const float2 ml = s_ml[k * span + tid];
-          const float mx = fmaxf(mr, ml.x);
-          const float a = rescale(mr, mx), b = rescale(ml.x, mx);
-          sum.x = sum.x * a + o.x * b; sum.y = sum.y * a + o.y * b;
-          sum.z = sum.z * a + o.z * b; sum.w = sum.w * a + o.w * b;
-          lr = lr * a + ml.y * b;
-          mr = mx;
+          const float4 o = s_red[k * (nt / lanes) + tid];
+          sum.x += o.x; sum.y += o.y; sum.z += o.z; sum.w += o.w;
         }
       __syncthreads();
     }
     if (r == 0 && c < cols) {
-      const float inv = 1.f / lr;
-      Mma<T>::store2(out_heads + 4 * c, sum.x * inv, sum.y * inv);
-      Mma<T>::store2(out_heads + 4 * c + 2, sum.z * inv, sum.w * inv);
+      Mma<T>::store2(out_heads + 4 * c, sum.x, sum.y);
+      Mma<T>::store2(out_heads + 4 * c + 2, sum.z, sum.w);
     }
   }
 }
