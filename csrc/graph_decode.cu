@@ -13,13 +13,14 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
   __shared__ int s_len[kGraphMaxRows];
   __shared__ int s_req[kGraphMaxRows];  // loaded with the lengths: one dependent load less per piece
   __shared__ int s_warp[kWarps];
+  __shared__ int s_nzw[kWarps];
   __shared__ int s_last;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
 
   // 1. The step's work: tiles per row, scanned (each thread owns kPer consecutive rows).
   constexpr int kPer = kGraphMaxRows / kThreads;
-  int len[kPer], req[kPer], inc[kPer], run = 0;
+  int len[kPer], req[kPer], inc[kPer], run = 0, nz = 0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int r = tid * kPer + i;
@@ -29,6 +30,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     run += (len[i] + kTile - 1) / kTile;
+    nz += len[i] > 0;
     inc[i] = run;
   }
   int x = run;
@@ -37,13 +39,17 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
     const int y = __shfl_up_sync(0xffffffffu, x, o);
     if (lane >= o) x += y;
   }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) nz += __shfl_xor_sync(0xffffffffu, nz, o);
   if (lane == 31) s_warp[warp] = x;
+  if (lane == 0) s_nzw[warp] = nz;
   __syncthreads();
-  int before = x - run, total = 0;
+  int before = x - run, total = 0, s_nz = 0;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) {
     before += w < warp ? s_warp[w] : 0;
     total += s_warp[w];
+    s_nz += s_nzw[w];
   }
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -56,8 +62,12 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
   // 2. This CTA's range of work units (unit = one tile of one KV head; segment (r, h)
   //    holds units [H*exc_r + h*tiles_r, +tiles_r)). Balanced to one tile.
   const int64_t W = static_cast<int64_t>(total) * H;
+  // CTAs: at most the grid, no range under min_tiles; with fewer segments than CTAs, a
+  // multiple of the segment count (so CTA ranges cut segments alike and no CTA straddles two).
   const int64_t want = (W + p.min_tiles - 1) / p.min_tiles;
-  const int n = static_cast<int>(want < p.num_ctas ? want : p.num_ctas);
+  int n = static_cast<int>(want < p.num_ctas ? want : p.num_ctas);
+  const int segments = s_nz * H;
+  if (segments > 0 && segments <= n) n = n / segments * segments;
   const int j = blockIdx.x;
   if (j >= n) return;
   const int64_t lo = j * W / n, hi = (j + 1) * W / n;
@@ -117,19 +127,23 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
           part_l[slot * G + hh] = den;
         }
       });
-      // Publish the state, then count in; the last of the segment's CTAs merges.
-      __threadfence();
+      // Publish the state, then count in; the last of the segment's CTAs merges. (The
+      // barrier orders every thread's stores before thread 0's fence: CUTLASS's semaphore.)
       __syncthreads();
       int* counter = p.counters + r * H + h;
-      if (tid == 0) s_last = atomicAdd(counter, 1) == j1 - j0;
+      if (tid == 0) {
+        __threadfence();
+        s_last = atomicAdd(counter, 1) == j1 - j0;
+      }
       __syncthreads();
       if (s_last) {
         __threadfence();
         const int first = j0 * W / n == seg_begin ? 2 * j0 : 2 * j0 + 1;
+        constexpr int kRedBytes = kThreads * 16;  // s_red at the end of the idle pipeline buffers
         merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
                                  [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
-                                 reinterpret_cast<float*>(smem),
-                                 reinterpret_cast<float4*>(smem + (AttendCfg<D>::kSmem - kThreads * 16)));
+                                 reinterpret_cast<float*>(smem), (AttendCfg<D>::kSmem - kRedBytes) / 4,
+                                 reinterpret_cast<float4*>(smem + (AttendCfg<D>::kSmem - kRedBytes)));
         if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
       }
       __syncthreads();

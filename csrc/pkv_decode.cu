@@ -139,7 +139,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) decode_ker
       // The pipeline buffers are idle now: weights, then the cross-thread reduction.
       float* s_w = reinterpret_cast<float*>(smem);
       merge_states<T, D, true>(p.partial, p.num_slots, G, hi - lo, [=](int i) { return lo + i; }, out, s_w,
-                               reinterpret_cast<float4*>(s_w + kMaxSegSlots * 8));
+                               2 * kMaxSegSlots * 8, reinterpret_cast<float4*>(s_w + 2 * kMaxSegSlots * 8));
       if (threadIdx.x == 0) p.counters[seg] = 0;
     }
   }
@@ -155,11 +155,11 @@ __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams 
   const int out_row = p.qo_indexed ? p.rows[i] : i;
   const int Hq = p.num_kv_heads * p.group;
   T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(out_row) * Hq + kvh * p.group) * D;
-  __shared__ float s_w[kMaxSegSlots * 8];
+  __shared__ float s_w[2 * kMaxSegSlots * 8];
   __shared__ float4 s_red[kMergeThreads];
   const int lo = p.seg_offsets[seg];
   merge_states<T, D, false>(p.partial, p.num_slots, p.group, p.seg_offsets[seg + 1] - lo,
-                            [=](int i) { return lo + i; }, out, s_w, s_red);
+                            [=](int i) { return lo + i; }, out, s_w, 2 * kMaxSegSlots * 8, s_red);
 }
 
 template <typename T, int D>

@@ -2,7 +2,7 @@
 
 A step's work is H * sum_r tiles(r) units (one unit = one TILE_TOKENS tile of one KV
 head); segment (r, h) holds units [H * exc_r + h * tiles_r, + tiles_r) where exc_r sums
-the tiles of the rows before r. With n = min(num_ctas, ceil(W / min_tiles)) CTAs, CTA j
+the tiles of the rows before r. With n CTAs (`active_ctas`), CTA j
 owns units [j W / n, (j + 1) W / n): equal to one tile, whatever the mix of lengths. A
 segment inside one CTA is written directly; a segment cut across CTAs j0..j1 leaves one
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
@@ -23,7 +23,7 @@ import numpy as np
 from pkv.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
-GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles
+GRAPH_MIN_TILES = 8     # default smallest CTA range, in tiles (docs/perf-notes.md, v4)
 
 
 @dataclass(frozen=True)
@@ -38,8 +38,15 @@ class Piece:
 
 
 def active_ctas(seq_lens: np.ndarray, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES) -> int:
-    work = int(num_tiles(np.asarray(seq_lens, dtype=np.int64)).sum()) * num_kv_heads
-    return min(num_ctas, -(-work // min_tiles))
+    """CTAs that get work: at most the grid, no range under min_tiles, and with fewer
+    segments than CTAs a multiple of the segment count (no CTA straddles two segments)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    work = int(num_tiles(lens).sum()) * num_kv_heads
+    n = min(num_ctas, -(-work // min_tiles))
+    segments = int((lens > 0).sum()) * num_kv_heads
+    if 0 < segments <= n:
+        n = n // segments * segments
+    return n
 
 
 def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES) -> list[Piece]:

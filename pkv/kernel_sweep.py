@@ -201,15 +201,16 @@ def main(argv=None) -> int:
     probes = read_roofline()
     roofline = probes["roofline"]
     print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
+    meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
+            "command": "pkv bench sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
     rows, t0 = [], time.time()
     for case in cases:
         print(f"{case.name}: {case.bytes / 1e6:.1f} MB", flush=True)
-        rows += run_case(case, engines, args.reps, roofline * 1e0, args.seed)
-    frame = with_ratios(pd.DataFrame(rows))
-    meta = io.provenance()
-    io.write_parquet(frame, args.out, {**meta, "roofline_gbps": f"{roofline:.1f}", "command": "pkv bench sweep "
-                                       + " ".join(argv if argv is not None else sys.argv[1:]),
-                                       "read_probe_gbps": f"{probes['probe']:.1f}"})
+        rows += run_case(case, engines, args.reps, roofline, args.seed)
+        # Rewritten after every case: a run stopped part way keeps what it measured.
+        frame = with_ratios(pd.DataFrame(rows))
+        io.write_parquet(frame, args.out, {**meta, "complete": "false"})
+    io.write_parquet(frame, args.out, {**meta, "complete": "true"})
     print(f"wrote {args.out} ({len(frame)} rows, {time.time() - t0:.0f} s)")
     show = frame[frame.engine.str.startswith("pkv")][["case", "engine", "graph_us", "frac_of_roofline", "ratio"]]
     print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))

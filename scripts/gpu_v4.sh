@@ -15,7 +15,8 @@ if has build; then
   python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tail -30 || exit 1; lap build
 fi
 if has graph; then
-  timeout 240 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_graph.py 2>&1 | tail -25; lap graph-tests
+  timeout 240 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_graph.py 2>&1 | tee "$out/graph_tests.log" | tail -25
+  grep -q " failed" "$out/graph_tests.log" && { echo "graph tests failed: stopping"; exit 1; }; lap graph-tests
 fi
 if has sweep; then
   timeout ${SWEEP_S:-240} python3 -m pkv.kernel_sweep --quick --reps 15 --out "$out/quick.parquet" \
@@ -23,7 +24,9 @@ if has sweep; then
     2>&1 | tee "$out/sweep.log" | grep -v "^  " | tail -60; lap sweep
 fi
 if has full; then
-  timeout ${SWEEP_S:-480} python3 -m pkv.kernel_sweep --out "$out/sweep.parquet" 2>&1 | tee "$out/sweep_full.log" | tail -40
+  timeout ${SWEEP_S:-420} python3 -m pkv.kernel_sweep --out "$out/sweep.parquet" \
+    --engines "${FULL_ENGINES:-pkv-graph,pkv-graph[min_tiles=2],pkv-workqueue[splits=16],pkv-workqueue[splits=32],flashinfer,flashinfer-tc,flashinfer-persistent}" \
+    2>&1 | tee "$out/sweep_full.log" | grep -v "^  " | grep -v flashinfer.jit | tail -30
   lap full-sweep
 fi
 if has ncu; then
