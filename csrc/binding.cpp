@@ -8,6 +8,7 @@
 
 #include <cmath>
 
+#include "graph_decode.h"
 #include "pkv_decode.h"
 #include "roofline.h"
 
@@ -94,6 +95,51 @@ void merge(const at::Tensor& partial, const at::Tensor& meta, const at::Tensor& 
   TORCH_CHECK(err == cudaSuccess, "pkv.merge launch failed: ", cudaGetErrorString(err));
 }
 
+// v4: named arguments; the step's split is decided by the kernel from seq_lens.
+void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                  const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
+                  const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles, bool deep) {
+  check_cuda(q, "q"); check_cuda(kv, "kv"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
+  check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
+  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(), "pkv: dtype mismatch");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && req_ids.scalar_type() == at::kInt &&
+              block_table.scalar_type() == at::kInt && counters.scalar_type() == at::kInt, "pkv: int32 metadata expected");
+  TORCH_CHECK(partial.scalar_type() == at::kFloat, "pkv.graph_decode: float32 partial workspace expected");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && q.dim() == 3 && out.sizes() == q.sizes(),
+              "pkv: kv[pages,2,Hkv,P,D] and q, out [B,Hq,D] expected");
+  const int64_t rows = q.size(0), H = kv.size(2), D = kv.size(4);
+  TORCH_CHECK(seq_lens.numel() == rows && req_ids.numel() == rows, "pkv.graph_decode: seq_lens/req_ids need B entries");
+  TORCH_CHECK(q.size(1) % H == 0 && q.size(2) == D, "pkv.graph_decode: q heads/head_dim do not match kv");
+  const int64_t G = q.size(1) / H;
+  TORCH_CHECK(counters.numel() >= rows * H, "pkv.graph_decode: counters need B * Hkv entries");
+  TORCH_CHECK(partial.numel() >= pkv::acc_offset(2 * num_ctas, G) + 2 * num_ctas * G * D,
+              "pkv.graph_decode: partial workspace too small for num_ctas");
+  const int64_t P = kv.size(3);
+  TORCH_CHECK(P > 0 && (P & (P - 1)) == 0, "pkv: page size must be a power of two");
+  const at::cuda::CUDAGuard guard(q.device());
+  pkv::GraphDecodeParams p{};
+  p.q = q.data_ptr();
+  p.out = out.data_ptr();
+  p.kv = kv.data_ptr();
+  p.block_table = block_table.data_ptr<int>();
+  p.bt_stride = block_table.size(1);
+  p.seq_lens = seq_lens.data_ptr<int>();
+  p.req_ids = req_ids.data_ptr<int>();
+  p.partial = partial.data_ptr<float>();
+  p.counters = counters.data_ptr<int>();
+  p.num_rows = static_cast<int>(rows);
+  p.num_kv_heads = static_cast<int>(H);
+  p.group = static_cast<int>(G);
+  p.page_shift = 63 - __builtin_clzll(static_cast<unsigned long long>(P));
+  p.num_ctas = static_cast<int>(num_ctas);
+  p.min_tiles = static_cast<int>(min_tiles);
+  p.deep = deep ? 1 : 0;
+  p.scale_log2 = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(D)));
+  const cudaError_t err =
+      pkv::launch_graph_decode(p, dtype_of(q), static_cast<int>(D), c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "pkv.graph_decode launch failed: ", cudaGetErrorString(err));
+}
+
 void read_probe(const at::Tensor& src, const at::Tensor& sink, int64_t blocks) {
   check_cuda(src, "src"); check_cuda(sink, "sink");
   TORCH_CHECK(sink.scalar_type() == at::kInt && sink.numel() >= blocks * pkv::kReadProbeThreads, "pkv.read_probe: sink");
@@ -112,10 +158,13 @@ TORCH_LIBRARY(pkv, m) {
   m.def("merge(Tensor partial, Tensor meta, Tensor(a!) out, int seg_off, int rows_off, int num_rows, "
         "int num_kv_heads, int num_slots, int group, int qo_indexed) -> ()");
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
+  m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
+        "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, bool deep) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
   m.impl("decode", &decode);
   m.impl("merge", &merge);
   m.impl("read_probe", &read_probe);
+  m.impl("graph_decode", &graph_decode);
 }

@@ -21,6 +21,16 @@ enum class OutMode : int {
 
 constexpr int kMaxClusterSplits = 16;  // Hopper's largest (non-portable) cluster
 
+#ifdef __CUDACC__
+#define PKV_HOST_DEVICE __host__ __device__
+#else
+#define PKV_HOST_DEVICE
+#endif
+
+// Partial-state workspace: m [slots*G] | l [slots*G] | acc [slots*G*D], acc from a
+// 16-byte boundary (float4 loads), so slots * G * (D + 2) + 4 floats always suffice.
+inline PKV_HOST_DEVICE int64_t acc_offset(int64_t num_slots, int64_t G) { return (2 * num_slots * G + 3) / 4 * 4; }
+
 struct DecodeParams {
   const void* q;            // [B, Hq, D]
   void* out;                // [B, Hq, D] (or the compact bucket rows when qo_indexed == 0)

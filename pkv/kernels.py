@@ -2,7 +2,7 @@
 
 The build directory is ~/.cache/pkv/<hash>, keyed by the sources and the GPU's compute
 capability, so an edit or another GPU rebuilds and an unchanged tree loads in seconds.
-The ops land in torch.ops.pkv (decode, merge, read_probe).
+The ops land in torch.ops.pkv (decode, merge, graph_decode, read_probe).
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = ("binding.cpp", "pkv_decode.cu", "roofline.cu")
-HEADERS = ("pkv_decode.h", "roofline.h")
+SOURCES = ("binding.cpp", "pkv_decode.cu", "graph_decode.cu", "roofline.cu")
+HEADERS = ("pkv_decode.h", "graph_decode.h", "roofline.h", "ptx.cuh", "state.cuh", "attend.cuh")
 
 
 def arch_flags(major: int, minor: int) -> list[str]:

@@ -41,15 +41,18 @@ def test_lists_derive_from_the_table():
     assert set(bench.BASELINES) == set(registry.FLASHINFER) | {"sdpa-repack"}
 
 
-def test_graph_entry_is_reserved():
+def test_graph_entry():
     e = registry.ENGINES["pkv-graph"]
-    assert e.family == "pkv-graph" and "no host plan" in e.description and not e.cpu
+    assert e.family == "pkv-graph" and "no host plan" in e.description and e.cpu
     shape = Shape(8, 2, 16, 4)
     cache = PagedCache.random(shape, assign_pages(np.array([40]), 4, 0.0, 0))
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        make_engine("pkv-graph", cache)
+    assert type(make_engine("pkv-graph", cache)).__name__ == "GraphEngine"     # its CPU oracle
+    with pytest.raises(ValueError, match="no SplitPolicy"):
+        make_engine("pkv-graph", cache, SplitPolicy(4))
     with pytest.raises(ValueError, match="unknown engine"):
         make_engine("pkv-nope", cache)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_engine("flashinfer", cache)
 
 
 @pytest.mark.parametrize("seed", range(8))

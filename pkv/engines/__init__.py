@@ -13,8 +13,8 @@ def make_engine(name: str, cache: PagedCache, policy: SplitPolicy | None = None,
     """Build engine `name` over `cache`.
 
     "adaptive" takes `constants` (pkv.costmodel.Constants) and `point` (operating point key).
-    On a CPU cache the pkv-* engines are the task-list engine (the CUDA kernels' oracle);
-    on a CUDA cache they launch the kernels of pkv.kernels.
+    On a CPU cache the pkv-* engines are the task-list engine (the CUDA kernels' oracle)
+    and pkv-graph its CPU oracle; on a CUDA cache they launch the kernels of pkv.kernels.
     """
     return build(name, cache, policy, **options)
 

@@ -3,8 +3,8 @@
 `family` says which module builds the engine (and which lists it joins: the PersistentKV
 kernel engines, the FlashInfer baselines, ...); `kind` is what that family needs to know
 (the schedule of a pkv engine, the variant of a FlashInfer wrapper); `cpu` says whether
-the engine runs on a CPU cache (the reference, and the task-list engine standing in for
-the scheduled pkv kernels). Builders import their module late: the GPU engines need the
+the engine runs on a CPU cache (the reference, the task-list engine standing in for the
+scheduled pkv kernels, pkv-graph's oracle). Builders import their module late: the GPU engines need the
 CUDA toolchain, FlashInfer and (for pkv-graph) a module another change adds.
 """
 
@@ -32,7 +32,7 @@ ENGINES: dict[str, EngineInfo] = {
     "pkv-bucket": EngineInfo("pkv", "bucket", "exact length buckets: one grid launch per distinct length", cpu=True),
     "pkv-fused": EngineInfo("pkv", "workqueue", "workqueue with the atomic-counter fused merge (ablation)"),
     "pkv-graph": EngineInfo("pkv-graph", "graph", "single-launch decode, splits decided on the GPU, no host plan, "
-                            "CUDA-graph capturable"),
+                            "CUDA-graph capturable", cpu=True),
     "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores"),
     "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores"),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)"),
@@ -92,7 +92,9 @@ def build(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **opt
 
         return PkvEngine(cache, name, policy, **options)
     if e.family == "pkv-graph":
-        from pkv.engines.graph import GraphEngine  # splits are decided on the GPU: no SplitPolicy
+        if policy is not None:
+            raise ValueError("pkv-graph decides its splits on the GPU; it takes no SplitPolicy")
+        from pkv.engines.graph import GraphEngine  # the v4 kernel, or its CPU oracle; no SplitPolicy
 
         return GraphEngine(cache, **options)
     unknown = set(options) - {"validate"}

@@ -1,0 +1,43 @@
+// PersistentKV v4: single-launch decode whose work split is decided on the GPU.
+//
+// The grid is fixed by capacity (CTAs per SM x SMs), so one CUDA graph replays any step
+// up to `num_rows` rows. Every CTA reads the step's lengths, cuts the step's
+// H * sum(tiles) work units into equal contiguous ranges (one per CTA), and attends over
+// the (row, KV head) pieces its range covers. A piece that is a whole segment writes its
+// output; a segment cut across CTAs is merged by the last of them to finish (atomic
+// counter, partial states through L2). No host plan, no second launch.
+// Torch-free: binding.cpp unpacks tensors into these structs.
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+#include "pkv_decode.h"
+
+namespace pkv {
+
+constexpr int kGraphMaxRows = 1024;  // rows one step may hold (lengths are scanned in shared memory)
+
+struct GraphDecodeParams {
+  const void* q;            // [num_rows, Hq, D]
+  void* out;                // [num_rows, Hq, D]; rows of length 0 are not written
+  const void* kv;           // [num_pages, 2, Hkv, P, D]
+  const int* block_table;   // [R, bt_stride] physical page ids, indexed by request id
+  int64_t bt_stride;
+  const int* seq_lens;      // [num_rows]; 0 = padding row
+  const int* req_ids;       // [num_rows] batch row -> block-table row
+  float* partial;           // 2 states per CTA: m [S*G] | l [S*G] | acc [S*G*D], S = 2 * gridDim
+  int* counters;            // [num_rows * Hkv], zero between launches (the merging CTA rearms it)
+  int num_rows;             // <= kGraphMaxRows
+  int num_kv_heads;
+  int group;                // 1..kMaxGroup (<= 8 at head_dim 256)
+  int page_shift;           // log2(page size)
+  int num_ctas;             // grid size: the capacity the partial workspace was sized for
+  int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
+  int deep;                 // 1: one CTA per SM with a deeper pipeline (head_dim <= 128); grid = SMs
+  float scale_log2;         // log2(e) / sqrt(D)
+};
+
+cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, int head_dim, cudaStream_t stream);
+
+}  // namespace pkv

@@ -1,0 +1,129 @@
+"""`pkv-graph`: the v4 decode with no host plan (csrc/graph_decode.cu, docs/graph-decode.md).
+
+prepare() writes the step's lengths and block-table row ids into one pinned buffer and
+issues one host-to-device copy; the kernel decides the split on the GPU. Every buffer the
+kernel reads has a fixed address and the grid is fixed by capacity, so run() can be
+captured once in a CUDA graph and replayed for any later step of up to `rows` rows:
+prepare(step, rows=B_pad) pads the step with zero-length rows, which the kernel skips
+(their outputs are left unwritten).
+
+On a CPU cache the same rule runs through pkv.reference.run_schedule
+(pkv.device_schedule.graph_schedule), the oracle CI tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pkv.cache import PagedCache
+from pkv.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
+from pkv.engines.base import Engine, Plan
+from pkv.harness import StepState
+from pkv.reference import run_schedule
+
+HEAD_DIMS = (64, 128, 256)
+MAX_GROUP = 16          # kMaxGroup in csrc/attend.cuh (8 at head_dim 256)
+CTAS_PER_SM = {64: 3, 128: 2, 256: 1}   # AttendCfg<D>::kCtasPerSm in csrc/attend.cuh (1 with the deep pipeline)
+# The deep pipeline (1 CTA per SM, 6-8 stages) halves the pieces a few long segments are
+# cut into; used when the step holds at most this many (row, KV head) segments.
+DEEP_MAX_SEGMENTS = 64
+CPU_NUM_CTAS = 264      # the H200's 132 SMs x 2: the CPU oracle cuts steps like the reference GPU
+
+
+def check_graph_shape(shape) -> None:
+    if shape.dtype not in ("float16", "bfloat16"):
+        raise ValueError(f"pkv-graph supports float16 and bfloat16, got {shape.dtype}")
+    if shape.head_dim not in HEAD_DIMS:
+        raise ValueError(f"pkv-graph supports head_dim {HEAD_DIMS}, got {shape.head_dim}")
+    limit = 8 if shape.head_dim == 256 else MAX_GROUP
+    if not 1 <= shape.group <= limit:
+        raise ValueError(f"pkv-graph supports GQA groups 1..{limit} at head_dim {shape.head_dim}, got {shape.group}")
+
+
+@dataclass
+class GraphPlan(Plan):
+    rows: int            # rows the kernel scans (the step, or its padded bucket)
+
+
+class GraphEngine(Engine):
+    name = "pkv-graph"
+
+    def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, deep: bool | None = None):
+        super().__init__(cache)
+        s = cache.shape
+        self.gpu = cache.kv.is_cuda
+        if self.gpu:
+            check_graph_shape(s)
+        self.max_rows = int(max_rows or min(GRAPH_MAX_ROWS, cache.assignment.num_requests))
+        if not 1 <= self.max_rows <= GRAPH_MAX_ROWS:
+            raise ValueError(f"pkv-graph holds 1..{GRAPH_MAX_ROWS} rows a step, got max_rows={self.max_rows}")
+        if min_tiles < 1:
+            raise ValueError(f"min_tiles must be >= 1, got {min_tiles}")
+        self.min_tiles = min_tiles
+        if deep is None:
+            deep = s.head_dim <= 128 and self.max_rows * s.num_kv_heads <= DEEP_MAX_SEGMENTS
+        if deep and s.head_dim > 128:
+            raise ValueError("pkv-graph's deep pipeline is built for head_dim <= 128")
+        self.deep = bool(deep)
+        if self.gpu:
+            sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
+            self.num_ctas = (ctas_per_sm or (1 if self.deep else CTAS_PER_SM[s.head_dim])) * sms
+        else:
+            self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
+        dev = cache.device
+        slots = 2 * self.num_ctas
+        self.partial = torch.empty(slots * s.group * (s.head_dim + 2) + 4, dtype=torch.float32, device=dev)
+        self.counters = torch.zeros(self.max_rows * s.num_kv_heads, dtype=torch.int32, device=dev)
+        # [lengths | request ids] of one step; two pinned host buffers so prepare() of step
+        # t+1 never overwrites a buffer whose copy for step t is still queued.
+        self.meta = torch.zeros(2 * self.max_rows, dtype=torch.int32, device=dev)
+        pin = self.gpu
+        self._host = [torch.zeros(2 * self.max_rows, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._copied = [torch.cuda.Event() if self.gpu else None for _ in range(2)]
+        self._turn = 0
+        self.ops = None
+        if self.gpu:
+            from pkv.kernels import ops
+
+            self.ops = ops()
+
+    def prepare(self, step: StepState, rows: int | None = None) -> GraphPlan:
+        self.check_step(step)
+        b = step.active
+        rows = b if rows is None else int(rows)
+        if not b <= rows <= self.max_rows:
+            raise ValueError(f"pkv-graph: a step of {b} rows padded to {rows} exceeds its capacity of "
+                             f"{self.max_rows} rows (or is padded below its size)")
+        k = self._turn
+        self._turn ^= 1
+        if self._copied[k] is not None:
+            self._copied[k].synchronize()
+        host = self._host[k].numpy()
+        host[:rows] = 0
+        host[:b] = step.seq_lens
+        host[rows:rows + b] = step.request_ids
+        host[rows + b:2 * rows] = 0
+        self.meta[:2 * rows].copy_(self._host[k][:2 * rows], non_blocking=True)
+        if self._copied[k] is not None:
+            self._copied[k].record()
+        return GraphPlan(step, self.name, 1, None, rows)
+
+    def run(self, q: torch.Tensor, plan: GraphPlan) -> torch.Tensor:
+        if q.shape[0] != plan.rows:
+            raise ValueError(f"pkv-graph: q has {q.shape[0]} rows, the plan {plan.rows}")
+        out = torch.empty_like(q)
+        if self.gpu:
+            r = plan.rows
+            self.ops.graph_decode(q, self.cache.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
+                                  self.partial, self.counters, self.num_ctas, self.min_tiles, self.deep)
+            return out
+        b = plan.step.active
+        lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))
+        table = self.cache.block_table[torch.as_tensor(plan.step.request_ids)]
+        schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles)
+        out[:b] = run_schedule(q[:b], self.cache.kv, table, lens, schedule).to(q.dtype)
+        return out

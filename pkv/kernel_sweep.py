@@ -1,0 +1,223 @@
+"""`pkv bench sweep`: device time of PersistentKV v4 (`pkv-graph`) against FlashInfer over the serving range.
+
+Cases: homogeneous batch x context grids, ragged mixes, and GQA group x head_dim points.
+For each case and engine: device µs per call by CUDA-graph replay (one graph runs every KV
+copy once; copies rotate so the working set is beyond the L2), the fraction of the read
+roofline on useful K+V bytes, and the ratio of the faster FlashInfer variant to
+PersistentKV, all in one process. Parquet only; the table and figure come from the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+
+K = 1024
+FLASHINFER = ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
+
+
+@dataclass(frozen=True)
+class SweepCase:
+    family: str                 # homogeneous | ragged | shapes
+    name: str
+    lens: tuple[int, ...]
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: str = "float16"
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+    @property
+    def group(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.lens) * 2 * self.num_kv_heads * self.head_dim * 2
+
+
+def homogeneous(max_tokens: int = 1 << 20) -> list[SweepCase]:
+    out = []
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):
+        for ctx in (1, 2, 4, 8, 16, 32, 64, 128):
+            if b * ctx * K <= max_tokens:
+                out.append(SweepCase("homogeneous", f"B{b} {ctx}K", (ctx * K,) * b))
+    return out
+
+
+def ragged(seed: int = 20260622) -> list[SweepCase]:
+    rng = np.random.default_rng(seed)
+    return [
+        SweepCase("ragged", "B8 bimodal 512/24K", tuple(int(x) for x in rng.choice([512, 24 * K], size=8))),
+        SweepCase("ragged", "B32 bimodal 1K/16K", tuple(int(x) for x in rng.choice([K, 16 * K], size=32))),
+        SweepCase("ragged", "B16 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=16))),
+        SweepCase("ragged", "B64 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=64))),
+        SweepCase("ragged", "1x32K + 31 short", (32 * K,) + tuple(int(x) for x in rng.integers(100, 2 * K, size=31))),
+        SweepCase("ragged", "1x128K + 7x1K", (128 * K,) + (K,) * 7),
+    ]
+
+
+def shapes() -> list[SweepCase]:
+    out = []
+    for g in (1, 4, 5, 7, 8):
+        for d in (64, 128, 256):
+            if d == 256 and g > 8:
+                continue
+            for b, ctx in ((1, 32 * K), (16, 4 * K)):
+                out.append(SweepCase("shapes", f"G{g} d{d} B{b} {ctx // K}K", (ctx,) * b, num_qo_heads=8 * g,
+                                     num_kv_heads=8, head_dim=d))
+    return out
+
+
+SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes}
+
+
+def quick() -> list[SweepCase]:
+    pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B16 2K", "B64 2K", "B128 1K"}
+    return [c for c in homogeneous() if c.name in pick] + ragged()[:3] + [
+        c for c in shapes() if c.name in ("G5 d128 B1 32K", "G7 d128 B1 32K", "G4 d256 B1 32K", "G4 d64 B16 4K")]
+
+
+def events_us(fn) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def graph_us(calls, reps: int) -> float:
+    """Median device µs per call: one graph runs every (engine, plan, q) once; replays timed by events."""
+    for e, p, q in calls:
+        e.run(q, p)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for e, p, q in calls:
+            e.run(q, p)
+    graph.replay()
+    torch.cuda.synchronize()
+    return statistics.median(events_us(graph.replay) for _ in range(reps)) / len(calls)
+
+
+def build_caches(case: SweepCase, seed: int):
+    from pkv.cache import PagedCache
+    from pkv.paging import assign_pages
+    from pkv.shape import Shape
+
+    shape = Shape(case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size, case.dtype)
+    copies = int(min(8, max(2, math.ceil(1.0e9 / case.bytes))))
+    lens = np.asarray(case.lens, dtype=np.int64)
+    caches = [PagedCache.random(shape, assign_pages(lens, case.page_size, 0.5, seed + c), device="cuda", seed=seed + c)
+              for c in range(copies)]
+    queries = [c.query(len(lens), seed + 100 + i) for i, c in enumerate(caches)]
+    return caches, queries
+
+
+def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> float:
+    from pkv.engines import make_engine
+    from pkv.schedule import SplitPolicy
+
+    options = dict(options)
+    if "splits" in options:  # a host-planned PersistentKV schedule at a fixed split count
+        options["policy"] = SplitPolicy(options.pop("splits"))
+    if "deep" in options:
+        options["deep"] = bool(options["deep"])
+    engines = [make_engine(name, c, **options) for c in caches]
+    calls = [(e, e.prepare(step), q) for e, q in zip(engines, queries)]
+    return graph_us(calls, reps)
+
+
+def run_case(case: SweepCase, engines: list[tuple[str, dict]], reps: int, roofline: float, seed: int) -> list[dict]:
+    from pkv.harness import StepState
+
+    caches, queries = build_caches(case, seed)
+    step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
+    rows = []
+    for name, options in engines:
+        label = name + ("" if not options else "[" + ",".join(f"{k}={v}" for k, v in options.items()) + "]")
+        try:
+            us, error = time_engine(name, options, caches, queries, step, reps), ""
+        except (ValueError, RuntimeError) as err:  # a variant that does not build or run this shape
+            us, error = math.nan, f"{type(err).__name__}: {str(err)[:300]}"
+            torch.cuda.synchronize()
+        gbps = case.bytes / (us * 1e-6) / 1e9 if not math.isnan(us) else math.nan
+        rows.append(dict(family=case.family, case=case.name, batch=case.batch, mean_len=float(np.mean(case.lens)),
+                         max_len=max(case.lens), group=case.group, head_dim=case.head_dim,
+                         num_kv_heads=case.num_kv_heads, page_size=case.page_size, dtype=case.dtype,
+                         engine=label, graph_us=us, bytes=case.bytes, achieved_gbps=gbps,
+                         frac_of_roofline=gbps / roofline, copies=len(caches), error=error,
+                         lens=json.dumps(list(case.lens)) if case.batch <= 256 else ""))
+        ok = f"{us:9.2f} us {gbps / roofline:6.1%}" if not error else error[:90]
+        print(f"  {label:34s} {ok}", flush=True)
+    del caches, queries
+    torch.cuda.empty_cache()
+    return rows
+
+
+def with_ratios(frame):
+    """ratio = faster FlashInfer variant / engine (same case, same run)."""
+    fi = frame[frame.engine.isin(FLASHINFER)].groupby("case").graph_us.min().rename("best_flashinfer_us")
+    frame = frame.drop(columns=[c for c in ("best_flashinfer_us", "ratio") if c in frame]).join(fi, on="case")
+    frame["ratio"] = frame.best_flashinfer_us / frame.graph_us
+    return frame
+
+
+def main(argv=None) -> int:
+    import pandas as pd
+
+    from pkv import io
+    from pkv.bench import read_roofline
+
+    ap = argparse.ArgumentParser(prog="pkv bench sweep", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
+    ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
+    ap.add_argument("--engines", default="pkv-graph," + ",".join(FLASHINFER),
+                    help="engines; name[key=value;...] sets options, e.g. pkv-graph[min_tiles=4]")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=20260622)
+    ap.add_argument("--out", required=True, help="Parquet file to write")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise ValueError("pkv bench sweep needs a CUDA device")
+    engines = []
+    for spec in args.engines.split(","):
+        name, _, opts = spec.partition("[")
+        options = {k: int(v) for k, v in (kv.split("=") for kv in opts.rstrip("]").split(";") if kv)}
+        engines.append((name, options))
+    cases = quick() if args.quick else [c for s in args.suites.split(",") for c in SUITES[s]()]
+    probes = read_roofline()
+    roofline = probes["roofline"]
+    print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
+    meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
+            "command": "pkv bench sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
+    rows, t0 = [], time.time()
+    for case in cases:
+        print(f"{case.name}: {case.bytes / 1e6:.1f} MB", flush=True)
+        rows += run_case(case, engines, args.reps, roofline, args.seed)
+        # Rewritten after every case: a run stopped part way keeps what it measured.
+        frame = with_ratios(pd.DataFrame(rows))
+        io.write_parquet(frame, args.out, {**meta, "complete": "false"})
+    io.write_parquet(frame, args.out, {**meta, "complete": "true"})
+    print(f"wrote {args.out} ({len(frame)} rows, {time.time() - t0:.0f} s)")
+    show = frame[frame.engine.str.startswith("pkv")][["case", "engine", "graph_us", "frac_of_roofline", "ratio"]]
+    print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

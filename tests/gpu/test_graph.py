@@ -1,0 +1,152 @@
+"""pkv-graph (v4 kernel, splits decided on the GPU) against the FP32 reference (needs a GPU).
+
+Fresh random K, V, Q for every case; outputs and the partial workspace are poisoned with
+NaN first; block-table rows are reached through shuffled request ids. The replay tests
+capture one CUDA graph and replay it over whole traces while rows join and leave.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.cache import PagedCache
+from pkv.engines import make_engine
+from pkv.harness import StepState
+from pkv.paging import assign_pages
+from pkv.shape import Shape
+from test_kernels import check, make_case, reference, seed_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+K = 1024
+
+
+def run_graph(engine, step, q):
+    plan = engine.prepare(step)
+    engine.partial.fill_(float("nan"))
+    torch.empty_like(q).fill_(float("nan"))  # the caching allocator hands this block to run()'s output
+    out = engine.run(q, plan)
+    torch.cuda.synchronize()
+    return out
+
+
+LENGTHS = {
+    "1": [1], "31": [31], "33": [33], "4K": [4 * K], "8K+7": [8 * K + 7], "32K": [32 * K], "100K": [100 * K + 3],
+    "many-short": "many", "one-long": "long", "bimodal": "bimodal",
+}
+
+
+def lens_for(name, rng):
+    v = LENGTHS[name]
+    if v == "many":
+        return rng.integers(1, 2 * K, size=67).tolist()
+    if v == "long":
+        return [40 * K + 5] + rng.integers(1, 900, size=20).tolist()
+    if v == "bimodal":
+        return rng.choice([300, 17 * K], size=9).tolist()
+    return v
+
+
+@pytest.mark.parametrize("lengths", list(LENGTHS))
+def test_lengths(lengths):
+    seed = seed_of("graph", lengths)
+    cache, step, q = make_case(lens_for(lengths, np.random.default_rng(seed)), seed=seed)
+    out = run_graph(make_engine("pkv-graph", cache), step, q)
+    check(out, reference(cache, step, q), "float16", f"pkv-graph {lengths}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 7, 8, 12, 16])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("page_size", [1, 16, 64])
+def test_shapes(dtype, group, head_dim, page_size):
+    if head_dim == 256 and group > 8:
+        pytest.skip("head_dim 256 takes groups <= 8 (tested to raise below)")
+    seed = seed_of("graph", dtype, group, head_dim, page_size)
+    rng = np.random.default_rng(seed)
+    p = page_size
+    lens = [1, max(1, p - 1), p + 1, int(rng.integers(2 * K, 6 * K)), int(rng.integers(1, 300))]
+    cache, step, q = make_case(lens, group=group, num_kv_heads=2, head_dim=head_dim, page_size=p, dtype=dtype,
+                               holes=0.5, seed=seed)
+    out = run_graph(make_engine("pkv-graph", cache), step, q)
+    check(out, reference(cache, step, q), dtype, f"pkv-graph {dtype} G{group} d{head_dim} p{p}")
+
+
+@pytest.mark.parametrize("ctas_per_sm,min_tiles,deep", [(1, 1, False), (2, 8, False), (3, 2, False), (1, 8, True),
+                                                         (1, 1, True)])
+@pytest.mark.parametrize("head_dim,group", [(128, 4), (64, 16), (128, 11)])
+def test_cut_options(ctas_per_sm, min_tiles, deep, head_dim, group):
+    seed = seed_of("graph-cut", ctas_per_sm, min_tiles, deep, head_dim, group)
+    rng = np.random.default_rng(seed)
+    cache, step, q = make_case(rng.integers(1, 9 * K, size=5).tolist(), group=group, num_kv_heads=2,
+                               head_dim=head_dim, seed=seed)
+    engine = make_engine("pkv-graph", cache, ctas_per_sm=ctas_per_sm, min_tiles=min_tiles, deep=deep)
+    check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"cut {ctas_per_sm} {min_tiles} {deep}")
+
+
+def test_unsupported_shapes_raise():
+    shape = Shape(32, 2, 256, 16, "float16")
+    cache = PagedCache.random(shape, assign_pages(np.array([40]), 16, 0.0, 0), device="cuda")
+    with pytest.raises(ValueError, match="groups 1..8 at head_dim 256"):
+        make_engine("pkv-graph", cache)
+
+
+def trace_steps(rng, num_requests, reserved, capacity, num_steps):
+    """Steps whose active sets change (joins and leaves), lengths crossing page and split
+    boundaries, one single-row step and one step at capacity."""
+    steps = []
+    for t in range(num_steps):
+        b = 1 if t == 3 else capacity if t == 5 else int(rng.integers(1, capacity + 1))
+        ids = rng.choice(num_requests, size=b, replace=False)
+        lens = np.minimum(reserved[ids], rng.integers(1, reserved[ids] + 1))
+        if t % 4 == 0:  # land exactly on and around page and tile edges
+            lens = np.minimum(reserved[ids], rng.choice([15, 16, 17, 31, 32, 33, 1023, 1024, 1025], size=b))
+        steps.append(StepState(t, ids.astype(np.int64), lens.astype(np.int32)))
+    return steps
+
+
+@pytest.mark.parametrize("group,head_dim,dtype", [(4, 128, "float16"), (7, 128, "bfloat16"), (2, 256, "float16"),
+                                                  (8, 64, "float16")])
+def test_graph_replay_over_a_trace(group, head_dim, dtype):
+    seed = seed_of("replay", group, head_dim, dtype)
+    rng = np.random.default_rng(seed)
+    num_requests, capacity = 24, 12
+    reserved = rng.integers(1, 12 * K, size=num_requests)
+    reserved[:3] = [40 * K, 3, 1]
+    shape = Shape(group * 4, 4, head_dim, 16, dtype)
+    cache = PagedCache.random(shape, assign_pages(reserved, 16, 0.5, seed), device="cuda", seed=seed)
+    engine = make_engine("pkv-graph", cache, max_rows=capacity)
+    steps = trace_steps(rng, num_requests, reserved, capacity, 16)
+    q_static = cache.query(capacity, seed)
+    plan = engine.prepare(steps[0], rows=capacity)
+    engine.run(q_static, plan)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = engine.run(q_static, plan)
+    for t, step in enumerate(steps):
+        engine.prepare(step, rows=capacity)
+        b = step.active
+        q_static.copy_(cache.query(capacity, seed + 1000 + t))
+        out_static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = reference(cache, step, q_static[:b])
+        check(out_static[:b], ref, dtype, f"replay step {t} ({b} rows)")
+
+
+def test_beyond_capacity_is_refused():
+    reserved = np.full(10, 100)
+    cache = PagedCache.random(Shape(32, 8, 128, 16, "float16"), assign_pages(reserved, 16, 0.0, 0), device="cuda")
+    engine = make_engine("pkv-graph", cache, max_rows=4)
+    step = StepState(0, np.arange(5), np.full(5, 50, dtype=np.int32))
+    with pytest.raises(ValueError, match="exceeds its capacity of 4 rows"):
+        engine.prepare(step)
+    with pytest.raises(ValueError, match="exceeds its capacity"):
+        engine.prepare(StepState(0, np.arange(3), np.full(3, 50, dtype=np.int32)), rows=5)
+    with pytest.raises(ValueError):  # longer than the request's reserved pages: never truncated
+        engine.prepare(StepState(0, np.arange(2), np.array([50, 10_000], dtype=np.int32)))

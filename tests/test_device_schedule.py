@@ -1,0 +1,110 @@
+"""The v4 kernel's device-side split rule (pkv.device_schedule), checked on the CPU.
+
+The kernel (csrc/graph_decode.cu) and this module implement one rule; these tests pin its
+properties: every token of every row read exactly once, ranges balanced to one tile,
+at most two partial-state slots per CTA, slots the merger reads are the ones written, and
+the task list executed by the reference engine equals plain attention.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.cache import PagedCache
+from pkv.device_schedule import GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule
+from pkv.engines import make_engine
+from pkv.harness import StepState
+from pkv.paging import assign_pages
+from pkv.reference import attention_reference
+from pkv.schedule import TILE_TOKENS, num_tiles
+from pkv.shape import Shape
+
+CASES = {
+    "B1 8K": [8192], "B1 1": [1], "odd": [31, 33, 1000, 7], "padding": [0, 5000, 0, 17, 0],
+    "many short": list(np.random.default_rng(1).integers(1, 3000, 67)), "one long": [40_000] + [300] * 20,
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("num_ctas,min_tiles", [(264, 8), (264, 1), (132, 2), (7, 1)])
+def test_pieces_cover_every_token_once(name, num_ctas, min_tiles):
+    lens = np.asarray(CASES[name])
+    h = 8
+    pieces = graph_pieces(lens, h, num_ctas, min_tiles)
+    seen = defaultdict(list)
+    for p in pieces:
+        assert 0 <= p.t_begin < p.t_end <= lens[p.row] and p.t_begin % TILE_TOKENS == 0
+        seen[(p.row, p.kv_head)].append((p.t_begin, p.t_end))
+    for r, n in enumerate(lens):
+        for g in range(h):
+            ranges = sorted(seen.get((r, g), []))
+            if n == 0:
+                assert not ranges
+                continue
+            assert ranges[0][0] == 0 and ranges[-1][1] == n
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ranges_balanced_and_slots_consistent(name):
+    lens = np.asarray(CASES[name])
+    h, num_ctas = 8, 264
+    pieces = graph_pieces(lens, h, num_ctas)
+    n = active_ctas(lens, h, num_ctas)
+    work = defaultdict(int)
+    slots = defaultdict(list)
+    for p in pieces:
+        work[p.cta] += num_tiles(p.t_end - p.t_begin)  # a row's last piece may end inside its last tile
+        if p.slot >= 0:
+            assert p.slot in (2 * p.cta, 2 * p.cta + 1)
+            slots[(p.row, p.kv_head)].append(p.slot)
+    assert max(work.values()) - min(work.values()) <= 1          # balanced to one tile
+    assert set(work) == set(range(n))
+    for p in pieces:
+        if p.slot >= 0:   # the merger reads exactly the slots the segment's pieces wrote
+            assert sorted(p.merger_slots) == sorted(slots[(p.row, p.kv_head)])
+    all_slots = [s for v in slots.values() for s in v]
+    assert len(all_slots) == len(set(all_slots))
+
+
+def test_few_segments_never_straddle():
+    # 8 segments and 264 CTAs: 256 CTAs, 32 per segment, each inside one segment
+    pieces = graph_pieces([8192], 8, 264)
+    assert active_ctas([8192], 8, 264) == 256
+    assert len({p.cta for p in pieces}) == len(pieces) == 256
+
+
+def test_capacity_is_checked():
+    with pytest.raises(ValueError, match="at most"):
+        graph_pieces(np.ones(GRAPH_MAX_ROWS + 1, dtype=np.int64), 8, 264)
+
+
+def test_cpu_engine_matches_reference():
+    lens = np.array([5000, 31, 1, 700, 2048, 33])
+    shape = Shape(20, 4, 64, 16, "float32")
+    cache = PagedCache.random(shape, assign_pages(lens, 16, 0.5, 3), seed=3)
+    step = StepState(0, np.array([4, 1, 0, 3, 5]), np.array([2000, 31, 4999, 1, 33], dtype=np.int32))
+    q = cache.query(5, 1)
+    engine = make_engine("pkv-graph", cache)
+    out = engine.run(q, engine.prepare(step))
+    ids = torch.as_tensor(step.request_ids)
+    ref = attention_reference(q, cache.kv, cache.block_table[ids], torch.as_tensor(step.seq_lens))
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    sched = graph_schedule(step.seq_lens, 4, engine.num_ctas, engine.min_tiles)
+    assert sched.launches[0].num_tasks == len(graph_pieces(step.seq_lens, 4, engine.num_ctas, engine.min_tiles))
+
+
+def test_padded_step_and_capacity_on_cpu():
+    lens = np.array([100, 200, 300])
+    cache = PagedCache.random(Shape(8, 2, 64, 16, "float32"), assign_pages(lens, 16, 0.0, 0))
+    engine = make_engine("pkv-graph", cache, max_rows=3)
+    step = StepState(0, np.array([2, 0]), np.array([300, 5], dtype=np.int32))
+    plan = engine.prepare(step, rows=3)
+    out = engine.run(cache.query(3, 0), plan)
+    assert out.shape[0] == 3
+    with pytest.raises(ValueError, match="exceeds its capacity of 3 rows"):
+        engine.prepare(step, rows=4)
