@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
+from pkv.engines.registry import FLASHINFER   # the one table of engine names
+
 K = 1024
-FLASHINFER = ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
 
 
 @dataclass(frozen=True)

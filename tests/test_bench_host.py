@@ -30,8 +30,9 @@ def test_bench_host_smoke(tmp_path):
                str(_constants(tmp_path / "constants.json")), "--out", str(out), "--table", str(table)])
     assert rc == 0
     frame = pd.read_parquet(out)
-    # On the CPU: the pkv task-list engines and the router; FlashInfer and pkv-graph need CUDA.
-    assert set(frame["engine"]) == {"pkv-workqueue", "pkv-bucket", "adaptive"}
+    # On the CPU: the pkv task-list engines, pkv-graph's oracle and the router; FlashInfer needs CUDA.
+    assert set(frame["engine"]) == {"pkv-workqueue", "pkv-bucket", "adaptive", "pkv-graph"}
+    assert (frame["error"] == "").all()
     assert sorted(frame["batch"].unique()) == [1, 4]
     assert (frame["prepare_us"] > 0).all() and (frame["wall_us"] >= frame["prepare_us"]).all()
     assert frame.loc[frame.engine == "adaptive", "route_us"].notna().all()

@@ -23,6 +23,7 @@ from pkv.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
 from pkv.engines.base import Engine, Plan
 from pkv.harness import StepState
 from pkv.reference import run_schedule
+from pkv.schedule import slot_floats
 
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16          # kMaxGroup in csrc/attend.cuh (8 at head_dim 256)
@@ -76,7 +77,7 @@ class GraphEngine(Engine):
             self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
         dev = cache.device
         slots = 2 * self.num_ctas
-        self.partial = torch.empty(slots * s.group * (s.head_dim + 2) + 4, dtype=torch.float32, device=dev)
+        self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(self.max_rows * s.num_kv_heads, dtype=torch.int32, device=dev)
         # [lengths | request ids] of one step; two pinned host buffers so prepare() of step
         # t+1 never overwrites a buffer whose copy for step t is still queued.
