@@ -21,18 +21,15 @@ constexpr int kChunk = 16;  // tokens per warp step (the mma K of P V)
 constexpr int kTile = 32;   // TILE_TOKENS of pkv.schedule: split bounds are in these tiles
 constexpr int kMaxGroup = 16;  // query heads per KV head: the 16 M rows of the MMA
 
-// kDeep: one CTA per SM with a deeper pipeline (6 stages at d = 128, 8 at d = 64), for
-// steps whose few segments would otherwise be cut into many pieces to merge.
-template <int D, bool kDeep = false> struct AttendCfg {
+template <int D> struct AttendCfg {
   static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
-  static_assert(!kDeep || D <= 128, "the deep pipeline is built for head_dim <= 128");
   static constexpr int kRowBytes = D * 2;             // one token of K (or V)
   static constexpr int kPieces = D / 8;               // 16-byte pieces per token row
   static constexpr int kHalfBytes = kChunk * kRowBytes;
   static constexpr int kStageBytes = 2 * kHalfBytes;  // K then V
-  static constexpr int kStages = !kDeep ? 3 : D == 64 ? 8 : 6;
+  static constexpr int kStages = 3;
   static constexpr int kSmem = kWarps * kStages * kStageBytes;  // 48 / 96 / 192 KB
-  static constexpr int kCtasPerSm = kDeep ? 1 : D == 64 ? 3 : D == 128 ? 2 : 1;
+  static constexpr int kCtasPerSm = D == 64 ? 3 : D == 128 ? 2 : 1;
   // At D = 256 the Q fragments would not fit in registers beside the accumulators: Q
   // (<= 8 heads there) waits in shared memory past the pipeline buffers instead.
   static constexpr bool kQInSmem = D > 128;
@@ -61,9 +58,9 @@ struct Range {
   float scale_log2;
 };
 
-template <typename T, int D, int kRows, bool kDeep = false, class Emit>
+template <typename T, int D, int kRows, class Emit>
 __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem, Emit&& emit) {
-  using C = AttendCfg<D, kDeep>;
+  using C = AttendCfg<D>;
   constexpr int kAcc = 2 * kRows;  // accumulator floats per lane per 8-column block
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int G = a.group;

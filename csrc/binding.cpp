@@ -98,7 +98,7 @@ void merge(const at::Tensor& partial, const at::Tensor& meta, const at::Tensor& 
 // v4: named arguments; the step's split is decided by the kernel from seq_lens.
 void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& seq_lens,
                   const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
-                  const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles, bool deep) {
+                  const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles) {
   check_cuda(q, "q"); check_cuda(kv, "kv"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(), "pkv: dtype mismatch");
@@ -133,12 +133,13 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
   p.page_shift = 63 - __builtin_clzll(static_cast<unsigned long long>(P));
   p.num_ctas = static_cast<int>(num_ctas);
   p.min_tiles = static_cast<int>(min_tiles);
-  p.deep = deep ? 1 : 0;
   p.scale_log2 = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(D)));
   const cudaError_t err =
       pkv::launch_graph_decode(p, dtype_of(q), static_cast<int>(D), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "pkv.graph_decode launch failed: ", cudaGetErrorString(err));
 }
+
+int64_t graph_ctas_per_sm(int64_t head_dim) { return pkv::graph_decode_ctas_per_sm(static_cast<int>(head_dim)); }
 
 void read_probe(const at::Tensor& src, const at::Tensor& sink, int64_t blocks) {
   check_cuda(src, "src"); check_cuda(sink, "sink");
@@ -159,7 +160,8 @@ TORCH_LIBRARY(pkv, m) {
         "int num_kv_heads, int num_slots, int group, int qo_indexed) -> ()");
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
-        "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, bool deep) -> ()");
+        "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles) -> ()");
+  m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {

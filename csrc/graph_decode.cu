@@ -6,10 +6,8 @@
 namespace pkv {
 namespace {
 
-template <typename T, int D, int kRows, bool kDeep>
-__global__ void __launch_bounds__(kThreads, AttendCfg<D, kDeep>::kCtasPerSm)
-    graph_decode_kernel(const GraphDecodeParams p) {
-  using C = AttendCfg<D, kDeep>;
+template <typename T, int D, int kRows>
+__global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_inc[kGraphMaxRows];  // inclusive prefix sum of tiles over rows
   __shared__ int s_len[kGraphMaxRows];
@@ -118,11 +116,11 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kDeep>::kCtasPerSm)
 
     T* out = reinterpret_cast<T*>(p.out) + qo;
     if (j0 == j1) {
-      attend_range<T, D, kRows, kDeep>(a, smem, [&](int e, int, float a0, float a1, float, float den) {
+      attend_range<T, D, kRows>(a, smem, [&](int e, int, float a0, float a1, float, float den) {
         Mma<T>::store2(out + e, a0 / den, a1 / den);
       });
     } else {
-      attend_range<T, D, kRows, kDeep>(a, smem, [&](int e, int hh, float a0, float a1, float mx, float den) {
+      attend_range<T, D, kRows>(a, smem, [&](int e, int hh, float a0, float a1, float mx, float den) {
         *reinterpret_cast<float2*>(part_acc + static_cast<int64_t>(slot) * G * D + e) = make_float2(a0, a1);
         if (e % D == 0) {
           part_m[slot * G + hh] = mx;
@@ -144,8 +142,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kDeep>::kCtasPerSm)
         constexpr int kRedBytes = kThreads * 16;  // s_red at the end of the idle pipeline buffers
         merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
                                  [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
-                                 reinterpret_cast<float*>(smem), (C::kSmem - kRedBytes) / 4,
-                                 reinterpret_cast<float4*>(smem + (C::kSmem - kRedBytes)));
+                                 reinterpret_cast<float*>(smem), (AttendCfg<D>::kSmem - kRedBytes) / 4,
+                                 reinterpret_cast<float4*>(smem + (AttendCfg<D>::kSmem - kRedBytes)));
         if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
       }
       __syncthreads();
@@ -154,32 +152,29 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kDeep>::kCtasPerSm)
   }
 }
 
-template <typename T, int D, int kRows, bool kDeep>
-cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
-  using C = AttendCfg<D, kDeep>;
-  auto kernel = graph_decode_kernel<T, D, kRows, kDeep>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemTotal);
-  if (attr != cudaSuccess) return attr;
-  kernel<<<p.num_ctas, kThreads, C::kSmemTotal, stream>>>(p);
-  return cudaGetLastError();
-}
-
 template <typename T, int D, int kRows>
-cudaError_t launch_pipeline(const GraphDecodeParams& p, cudaStream_t stream) {
-  if constexpr (D <= 128)
-    if (p.deep) return launch_typed<T, D, kRows, true>(p, stream);
-  return p.deep ? cudaErrorInvalidValue : launch_typed<T, D, kRows, false>(p, stream);
+cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
+  auto kernel = graph_decode_kernel<T, D, kRows>;
+  static const cudaError_t attr =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, AttendCfg<D>::kSmemTotal);
+  if (attr != cudaSuccess) return attr;
+  kernel<<<p.num_ctas, kThreads, AttendCfg<D>::kSmemTotal, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <typename T, int D>
 cudaError_t launch_group(const GraphDecodeParams& p, cudaStream_t stream) {
-  if (p.group <= 8) return launch_pipeline<T, D, 1>(p, stream);
-  if constexpr (D <= 128) return launch_pipeline<T, D, 2>(p, stream);
+  if (p.group <= 8) return launch_typed<T, D, 1>(p, stream);
+  if constexpr (D <= 128) return launch_typed<T, D, 2>(p, stream);
   return cudaErrorInvalidValue;
 }
 
 }  // namespace
+
+int graph_decode_ctas_per_sm(int head_dim) {
+  return head_dim == 64 ? AttendCfg<64>::kCtasPerSm : head_dim == 128 ? AttendCfg<128>::kCtasPerSm
+                                                                      : AttendCfg<256>::kCtasPerSm;
+}
 
 cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, int head_dim, cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||

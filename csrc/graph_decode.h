@@ -34,10 +34,11 @@ struct GraphDecodeParams {
   int page_shift;           // log2(page size)
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
-  int deep;                 // 1: one CTA per SM with a deeper pipeline (head_dim <= 128); grid = SMs
   float scale_log2;         // log2(e) / sqrt(D)
 };
 
+// CTAs per SM the kernel is built for at this head_dim (its shared-memory budget).
+int graph_decode_ctas_per_sm(int head_dim);
 cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, int head_dim, cudaStream_t stream);
 
 }  // namespace pkv

@@ -135,8 +135,6 @@ def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> f
     options = dict(options)
     if "splits" in options:  # a host-planned PersistentKV schedule at a fixed split count
         options["policy"] = SplitPolicy(options.pop("splits"))
-    if "deep" in options:
-        options["deep"] = bool(options["deep"])
     engines = [make_engine(name, c, **options) for c in caches]
     calls = [(e, e.prepare(step), q) for e, q in zip(engines, queries)]
     return graph_us(calls, reps)

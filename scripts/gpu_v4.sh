@@ -25,7 +25,7 @@ if has sweep; then
 fi
 if has full; then
   timeout ${SWEEP_S:-420} python3 -m pkv.kernel_sweep --out "$out/sweep.parquet" \
-    --engines "${FULL_ENGINES:-pkv-graph,pkv-graph[deep=0],pkv-graph[deep=1],pkv-workqueue[splits=24],flashinfer,flashinfer-tc,flashinfer-persistent}" \
+    --engines "${FULL_ENGINES:-pkv-graph,pkv-graph[min_tiles=2],pkv-workqueue[splits=16],pkv-workqueue[splits=32],flashinfer,flashinfer-tc,flashinfer-persistent}" \
     2>&1 | tee "$out/sweep_full.log" | grep -v "^  " | grep -v flashinfer.jit | tail -30
   lap full-sweep
 fi

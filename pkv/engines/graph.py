@@ -27,10 +27,7 @@ from pkv.schedule import slot_floats
 
 HEAD_DIMS = (64, 128, 256)
 MAX_GROUP = 16          # kMaxGroup in csrc/attend.cuh (8 at head_dim 256)
-CTAS_PER_SM = {64: 3, 128: 2, 256: 1}   # AttendCfg<D>::kCtasPerSm in csrc/attend.cuh (1 with the deep pipeline)
-# The deep pipeline (1 CTA per SM, 6-8 stages) halves the pieces a few long segments are
-# cut into; used when the step holds at most this many (row, KV head) segments.
-DEEP_MAX_SEGMENTS = 64
+CTAS_PER_SM = {64: 3, 128: 2, 256: 1}   # AttendCfg<D>::kCtasPerSm in csrc/attend.cuh
 CPU_NUM_CTAS = 264      # the H200's 132 SMs x 2: the CPU oracle cuts steps like the reference GPU
 
 
@@ -53,7 +50,7 @@ class GraphEngine(Engine):
     name = "pkv-graph"
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
-                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, deep: bool | None = None):
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None):
         super().__init__(cache)
         s = cache.shape
         self.gpu = cache.kv.is_cuda
@@ -65,14 +62,9 @@ class GraphEngine(Engine):
         if min_tiles < 1:
             raise ValueError(f"min_tiles must be >= 1, got {min_tiles}")
         self.min_tiles = min_tiles
-        if deep is None:
-            deep = s.head_dim <= 128 and self.max_rows * s.num_kv_heads <= DEEP_MAX_SEGMENTS
-        if deep and s.head_dim > 128:
-            raise ValueError("pkv-graph's deep pipeline is built for head_dim <= 128")
-        self.deep = bool(deep)
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
-            self.num_ctas = (ctas_per_sm or (1 if self.deep else CTAS_PER_SM[s.head_dim])) * sms
+            self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms
         else:
             self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
         dev = cache.device
@@ -120,7 +112,7 @@ class GraphEngine(Engine):
         if self.gpu:
             r = plan.rows
             self.ops.graph_decode(q, self.cache.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
-                                  self.partial, self.counters, self.num_ctas, self.min_tiles, self.deep)
+                                  self.partial, self.counters, self.num_ctas, self.min_tiles)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))
