@@ -40,6 +40,8 @@ SMOKE_BANNER = "CPU smoke — not a performance result"
 # not part of the frozen config (nor of its hash).
 NOT_FROZEN = ("smoke", "run")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+INT_TEXT = re.compile(r"^[+-]?[0-9]+$")
+FLOAT_TEXT = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$")
 
 
 class ConfigError(ValueError):
@@ -104,7 +106,7 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 def effective(config: dict, profile: str) -> dict:
     """The configuration a profile runs: smoke overrides merged in, `smoke:` and `run` dropped."""
-    base = {k: v for k, v in config.items() if k not in NOT_FROZEN}
+    base = copy.deepcopy({k: v for k, v in config.items() if k not in NOT_FROZEN})
     merged = deep_merge(base, config.get("smoke", {})) if profile == "smoke" else base
     merged["profile"] = profile
     return merged
@@ -121,14 +123,12 @@ def _resolve(schema: dict, root: dict) -> dict:
 
 def coerce(value, schema: dict, root: dict | None = None):
     """`value` with strings turned into the integers, numbers and booleans the schema asks
-    for, read as YAML reads them ("4" -> 4, "1.5e-3" -> 0.0015, "true" -> True).
+    for ("4" -> 4, "1e-3" -> 0.001, "0.5" -> 0.5, "true"/"True" -> True).
 
     Snakemake parses a nested `--config key={a: 4}` without types (every leaf a string);
     this gives it the types the same text would have in config.yaml. Dicts and lists
     are changed in place (and returned); anything the schema does not type is left alone.
     """
-    import yaml
-
     root = schema if root is None else root
     s = _resolve(schema, root)
     if isinstance(value, dict):
@@ -147,16 +147,14 @@ def coerce(value, schema: dict, root: dict | None = None):
     kind = s.get("type")
     if kind is None and s.get("enum") and all(isinstance(e, int) and not isinstance(e, bool) for e in s["enum"]):
         kind = "integer"
-    if kind not in ("integer", "number", "boolean"):
-        return value
-    try:
-        parsed = yaml.safe_load(value)
-    except yaml.YAMLError:
-        return value
-    ok = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          "boolean": lambda v: isinstance(v, bool)}[kind]
-    return parsed if ok(parsed) else value
+    text = value.strip()
+    if kind in ("integer", "number") and INT_TEXT.match(text):
+        return int(text)
+    if kind == "number" and FLOAT_TEXT.match(text):
+        return float(text)
+    if kind == "boolean" and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    return value
 
 
 def _points_used(cfg: dict) -> list[tuple[str, dict]]:
