@@ -188,12 +188,14 @@ def report_cmd(args) -> int:
         raise ValueError("name RESULTS_DIR, or --target files of one results folder")
     root = Path(args.results_dir) if args.results_dir else roots.pop()
 
-    def skip(path: Path, reason: str) -> None:
-        print(f"skipped {path}: {reason}", file=sys.stderr)
-
-    # Named targets must exist; the whole report of a partly measured folder skips the rest.
-    for path in build_report(root, targets, on_missing=None if targets else skip):
+    skipped = []
+    # Named targets must exist; the whole report of a partly measured folder skips the rest
+    # (said after the report is written: a failed report prints only its one-line error).
+    written = build_report(root, targets, on_missing=None if targets else lambda p, why: skipped.append((p, why)))
+    for path in written:
         print(path)
+    for path, why in skipped:
+        print(f"skipped {path}: {why}", file=sys.stderr)
     return 0
 
 
