@@ -47,6 +47,13 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("formatter_class", DefaultsFormatter)
         super().__init__(*args, **kwargs)
 
+    def add_argument(self, *args, **kwargs):
+        # An option with a default but no help text still shows its default.
+        if kwargs.get("help") is None and args and str(args[0]).startswith("-") \
+                and kwargs.get("default") not in (None, False, []):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with every command listed; only `command`'s module is imported (all of

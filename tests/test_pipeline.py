@@ -258,3 +258,28 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
     snakemake("all", "--rerun-incomplete", "--cores", "2", *args, cwd=work)
     assert all(v.exists() for v in victims)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+@pytest.mark.slow
+def test_snakemake_report_embeds_every_table_and_figure_with_its_caption(smoke, tmp_path):
+    from pkv.report_spec import FIGURE_SPECS, TABLE_SPECS
+
+    work, args, *_ = smoke
+    html = tmp_path / "report.html"
+    snakemake("--report", str(html), *args, cwd=work)
+    text = html.read_text(errors="replace")
+    for path in targets(Path("results/smoke")):
+        assert path.name in text, f"{path.name} is not in the report"
+    for spec in TABLE_SPECS.values():
+        assert spec.title in text, spec.title
+    for spec in FIGURE_SPECS.values():
+        assert spec.caption.split(",")[0] in text, spec.caption
+
+
+@pytest.mark.slow
+def test_smoke_parquet_records_the_package_list(smoke):
+    work, *_ = smoke
+    f = next((work / "results" / "smoke" / "raw" / "serve").glob("*.parquet"))
+    packages = read_meta(f)["packages"].splitlines()
+    assert any(p.lower().startswith("torch==") for p in packages)
+    assert any(p.lower().startswith("pandas==") for p in packages)
