@@ -194,9 +194,12 @@ def test_failed_measurement_leaves_no_output(smoke, tmp_path):
     cfg = json.loads((root / "config.json").read_text())
     cfg["tolerance"] = {"max_abs": 1e-12, "mean_abs": 1e-12}   # every PKV engine now "fails"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # Constants that belong to this config (every stage refuses constants of another one).
+    constants = json.loads((root / "calibration" / "constants.json").read_text())
+    (tmp_path / "constants.json").write_text(json.dumps({**constants, "config_hash": config_hash(cfg)}))
     out = tmp_path / "raw" / "serve.parquet"
     done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "serve", "--config", str(tmp_path / "config.json"),
-                           "--constants", str(root / "calibration" / "constants.json"), "--family", "bimodal",
+                           "--constants", str(tmp_path / "constants.json"), "--family", "bimodal",
                            "--max-active", "8", "--seed", str(HELDOUT[0]), "--engine-set", "main", "--out", str(out)],
                           cwd=work, capture_output=True, text=True)
     assert done.returncode == 2
