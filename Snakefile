@@ -3,7 +3,7 @@
 # results/runs/<gpu>-<date>/ folder, with a comparison against the committed reference
 # run results/; without CUDA it runs the CPU smoke profile into results/smoke/. The
 # parse step imports nothing heavy (no torch, pandas or matplotlib). See docs/pipeline.md.
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 

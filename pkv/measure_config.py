@@ -157,6 +157,27 @@ def coerce(value, schema: dict, root: dict | None = None):
     return value
 
 
+SCHEMA_PATH = Path(__file__).resolve().parents[1] / "workflow" / "schemas" / "config.schema.yaml"
+
+
+def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
+    import yaml
+
+    return yaml.safe_load(Path(path).read_text())
+
+
+def validate_config(cfg: dict, schema: dict, source: str = "config") -> None:
+    """JSON-schema validation with one line per failure: source, the key's dotted path
+    and the schema's message ("'nsigth' was unexpected", "-1.0 is less than ...")."""
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(schema)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(cfg))
+    if error is not None:
+        where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise ConfigError(f"{source}: {where}: {error.message}")
+
+
 def _points_used(cfg: dict) -> list[tuple[str, dict]]:
     a = cfg["ablations"]
     used = [(f"ablations.split_sensitivity.points[{i}]", p) for i, p in enumerate(a["split_sensitivity"]["points"])]
@@ -220,6 +241,8 @@ def _read_json(path: str | Path, what: str) -> dict:
 def load_config(path: str | Path) -> dict:
     """The frozen config.json, checked (check_config) before anything runs."""
     cfg = _read_json(path, "frozen config")
+    if SCHEMA_PATH.is_file():   # beside a checkout (always, for the pipeline's jobs)
+        validate_config(cfg, load_schema(), str(path))
     try:
         check_config(cfg, str(path))
     except KeyError as e:

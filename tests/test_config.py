@@ -141,3 +141,13 @@ def test_constants_carry_the_config_hash_and_parquet_both(tmp_path):
     for f in (root / "raw" / "serve").glob("*.parquet"):
         meta = read_meta(f)
         assert meta["config_hash"] == config_hash(cfg) and meta["constants_hash"] == file_hash(constants)
+
+
+def test_every_stage_validates_the_frozen_config_against_the_schema(frozen):
+    d, cfg = frozen
+    cfg["measure"]["max_step"] = 4   # a hand-edited frozen config with a typo
+    (d / "config.json").write_text(json.dumps(cfg))
+    done = _pkv("calibrate", "--config", str(d / "config.json"), "--out", str(d / "c.json"), "--raw", str(d / "r.parquet"))
+    assert done.returncode == 2 and not (d / "c.json").exists()
+    assert done.stderr.strip() == (f"pkv: error: {d / 'config.json'}: measure: Additional properties are not allowed "
+                                   "('max_step' was unexpected)")

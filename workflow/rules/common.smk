@@ -7,22 +7,21 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
 
-import yaml
-
 from pkv.measure_config import (REFERENCE_ROOT, SMOKE_BANNER, ConfigError, check_config, coerce, differences,
-                                effective, gpu_name, resolve_profile, run_root)
+                                effective, gpu_name, load_schema, resolve_profile, run_root, validate_config)
 from pkv.report_spec import FIGURE_SPECS, TABLE_SPECS
 
-SCHEMA = "../schemas/config.schema.yaml"   # relative to this file, as validate() reads it
-# `--config key={a: 4}` reaches us untyped ("4"): give it the schema's types first.
-coerce(config, yaml.safe_load((Path(workflow.basedir) / "workflow/schemas/config.schema.yaml").read_text()))
-validate(config, SCHEMA)
+SCHEMA = load_schema(Path(workflow.basedir) / "workflow/schemas/config.schema.yaml")
+# `--config key={a: 4}` reaches us untyped ("4"): give it the schema's types first. Then
+# one line per bad value, naming the key (unknown keys are refused at every level).
+coerce(config, SCHEMA)
+validate_config(config, SCHEMA)
 
 # nvidia-smi (not torch) says whether this machine has a GPU, and which.
 GPU = gpu_name() if config["profile"] == "auto" or (config["profile"] == "paper" and config["run"] == "auto") else None
 PROFILE = resolve_profile(config["profile"], GPU is not None)
 C = effective(config, PROFILE)
-validate(C, SCHEMA)
+validate_config(C, SCHEMA, f"config ({PROFILE} profile)")
 check_config(C)
 ROOT = run_root(PROFILE, config["run"], GPU)
 # The committed reference run: up to date when its files are there, whatever their mtimes
