@@ -34,7 +34,6 @@ PROFILES = ("paper", "smoke")
 REFERENCE_ROOT = "results"
 SMOKE_ROOT = "results/smoke"
 RUNS_ROOT = "results/runs"
-ROOTS = {"paper": REFERENCE_ROOT, "smoke": SMOKE_ROOT}
 SMOKE_BANNER = "CPU smoke — not a performance result"
 # Keys of config.yaml that say where and what to build, not what is measured: they are
 # not part of the frozen config (nor of its hash).
