@@ -83,7 +83,9 @@ def _dry_run_jobs(tree: Path, *args) -> list[tuple[str, dict[str, str], str]]:
 
 
 def test_paper_fan_out_on_any_machine(tree):
-    jobs = _dry_run_jobs(tree, "all", "--config", "profile=paper")
+    # run=reference: the results/ paths below on any machine (with a GPU, `run: auto` would
+    # plan a run of its own under results/runs/).
+    jobs = _dry_run_jobs(tree, "all", "--config", "profile=paper", "run=reference")
     rules = [r for r, _, _ in jobs]
     assert rules.count("calibrate_device") == 1
     serve = [w for r, w, _ in jobs if r == "serve_trace"]
@@ -107,7 +109,7 @@ def test_paper_fan_out_on_any_machine(tree):
 
 
 def test_nsight_leaves_all_when_disabled(tree):
-    rules = [r for r, _, _ in _dry_run_jobs(tree, "all", "--config", "profile=paper", "nsight=false")]
+    rules = [r for r, _, _ in _dry_run_jobs(tree, "all", "--config", "profile=paper", "run=reference", "nsight=false")]
     assert "capture_nsight" not in rules and "parse_nsight" not in rules
 
 
