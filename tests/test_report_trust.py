@@ -97,7 +97,7 @@ def test_missing_seed_is_flagged_in_the_table(tmp_path):
     build_report(tmp_path, [tmp_path / "tables" / "serving.md", tmp_path / "tables" / "serving.tex"])
     md = (tmp_path / "tables" / "serving.md").read_text()
     assert f"| 2 of 3 (missing {SEEDS[1]})" in md
-    assert f"**Missing seeds**" in md and f"serve: Bimodal B8 lacks seed(s) {SEEDS[1]}" in md
+    assert "**Missing seeds**" in md and f"serve: Bimodal B8 lacks seed(s) {SEEDS[1]}" in md
     assert f"lacks seed(s) {SEEDS[1]}" in (tmp_path / "tables" / "serving.tex").read_text()
 
 
