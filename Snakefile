@@ -25,6 +25,7 @@ include: "workflow/rules/mlp_proxy.smk"
 include: "workflow/rules/external.smk"
 include: "workflow/rules/nsight.smk"
 include: "workflow/rules/report.smk"
+include: "workflow/rules/kernels.smk"
 
 
 rule all:

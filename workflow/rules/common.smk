@@ -140,4 +140,5 @@ def final_outputs():
     tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLE_SPECS.items() if t.latex]
     figures = [getattr(rules, f"plot_{n}").output.png for n in FIGURE_SPECS]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
-    return tables + figures + stage_outputs("nsight_kernels") + comparison
+    kernels = list(rules.report_kernels.output) if PROFILE == "paper" else []   # GPU kernels: no smoke version
+    return tables + figures + stage_outputs("nsight_kernels") + comparison + kernels
