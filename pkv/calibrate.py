@@ -29,14 +29,10 @@ from pkv.costmodel import Constants, RouteCost, estimate
 from pkv.measure import Job, measure
 from pkv.measure_config import device_of, point_key, shape_of
 from pkv.measure_stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
+from pkv.timing import sync
 
 PKV_KINDS = ("bucket", "workqueue")
 FIT_CTAS = tuple(2 ** i for i in range(8))
-
-
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def bandwidth(device: str, nbytes: int, reps: int = 10) -> float:
@@ -46,10 +42,10 @@ def bandwidth(device: str, nbytes: int, reps: int = 10) -> float:
     dst.copy_(src)
     times = []
     for _ in range(reps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return 2 * src.numel() / statistics.median(times)
 
@@ -59,11 +55,11 @@ def launch_overhead(device: str, samples: int) -> float:
     x = torch.zeros(1, device=device)
     for _ in range(10):
         x.add_(1)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(samples):
         x.add_(1)
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / samples
 
 

@@ -7,10 +7,17 @@ request attends over prompt_len + k + 1 tokens: the new token's K,V are in the c
 before attention, so the last step reads exactly prompt_len + decode_len tokens, the
 length its pages were reserved for. Idle stretches (nothing active, nothing arrived)
 are skipped, so step indices can jump.
+
+Nothing here runs unbounded: decode_steps() without max_steps refuses a trace of more
+than MAX_SIMULATED_STEPS decode steps (an upper bound is known before it starts), and
+peak_active() jumps from event to event (arrivals, completions), so its cost grows with
+the number of requests, never with their lengths. Context lengths are int32; the trace
+limits (pkv.traces.MAX_LEN) keep them in range.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass
 from typing import Iterator
@@ -18,7 +25,10 @@ from typing import Iterator
 import numpy as np
 
 from pkv.paging import FlashInferView, PageAssignment, flashinfer_view
-from pkv.traces import Trace
+from pkv.traces import MAX_LEN, Trace
+
+MAX_SIMULATED_STEPS = 10_000_000   # decode_steps() without max_steps: at most this many steps
+assert MAX_LEN < np.iinfo(np.int32).max   # seq_lens are int32
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,12 @@ class StepState:
 def decode_steps(trace: Trace, max_active: int, max_steps: int | None = None) -> Iterator[StepState]:
     if max_active < 1:
         raise ValueError(f"max_active must be >= 1, got {max_active}")
+    if max_steps is None:
+        # Every emitted step decodes at least one token, so this bounds the steps emitted.
+        bound = int(np.sum(trace.decode_len, dtype=np.int64))
+        if bound > MAX_SIMULATED_STEPS:
+            raise ValueError(f"trace {trace.name!r} decodes {bound} tokens in all; simulating it step by step could take "
+                             f"up to {bound} steps, above MAX_SIMULATED_STEPS {MAX_SIMULATED_STEPS}: pass max_steps")
     order = np.argsort(trace.arrival_step, kind="stable")
     waiting = deque(int(i) for i in order)
     active: list[int] = []
@@ -74,4 +90,27 @@ def step_metadata(state: StepState, assignment: PageAssignment, block_table: np.
 
 
 def peak_active(trace: Trace, max_active: int) -> int:
-    return max((s.active for s in decode_steps(trace, max_active)), default=0)
+    """The most requests active at once under decode_steps()' batching, event by event:
+    O(R log R) in the number of requests R, whatever their lengths."""
+    if max_active < 1:
+        raise ValueError(f"max_active must be >= 1, got {max_active}")
+    order = np.argsort(trace.arrival_step, kind="stable")
+    arrival, decode = trace.arrival_step, trace.decode_len
+    waiting = deque(int(i) for i in order)
+    leaving: list[int] = []   # heap of first steps at which an active request is gone
+    step, peak = 0, 0
+    while waiting or leaving:
+        while leaving and leaving[0] <= step:
+            heapq.heappop(leaving)
+        if not leaving and waiting and arrival[waiting[0]] > step:
+            step = int(arrival[waiting[0]])
+        while waiting and len(leaving) < max_active and arrival[waiting[0]] <= step:
+            heapq.heappush(leaving, step + int(decode[waiting.popleft()]))
+        peak = max(peak, len(leaving))
+        nxt = [leaving[0]] if leaving else []
+        if waiting and len(leaving) < max_active:
+            nxt.append(max(int(arrival[waiting[0]]), step + 1))
+        if not nxt:
+            break
+        step = min(nxt)
+    return peak

@@ -1,8 +1,12 @@
 """Parquet results with provenance, written atomically.
 
 Every file carries, as key-value metadata: git commit, host, GPU name (or "cpu"), SM
-count, driver, CUDA, torch and FlashInfer versions, config hash and constants hash.
+count, driver, CUDA, torch and FlashInfer versions, config hash, constants hash and the
+exact list of Python packages installed where it was measured.
 A file appears under its final name only once it is complete (temp file + rename).
+
+Imports nothing heavy at module level (pandas, pyarrow and torch load inside the
+functions that use them), so that the Snakefile and the report jobs start fast.
 """
 
 from __future__ import annotations
@@ -15,14 +19,14 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
-import torch
+if TYPE_CHECKING:
+    import pandas as pd
 
 PROVENANCE_KEYS = (
     "git_commit", "host", "gpu", "sm_count", "driver", "cuda", "torch", "flashinfer", "config_hash", "constants_hash",
+    "packages",
 )
 
 
@@ -55,6 +59,8 @@ def _git_commit() -> str:
 
 @cache
 def _device_facts() -> dict:
+    import torch
+
     facts = {"gpu": "cpu", "sm_count": "0", "driver": "none", "cuda": str(torch.version.cuda or "none")}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -77,7 +83,23 @@ def _flashinfer_version() -> str:
         return "none"
 
 
+@cache
+def package_list() -> str:
+    """Every installed Python distribution as sorted `name==version` lines: the exact
+    environment a file was measured in (recorded as the `packages` metadata key)."""
+    from importlib.metadata import distributions
+
+    names = {}
+    for d in distributions():
+        name = d.metadata["Name"]
+        if name:
+            names[name.lower()] = f"{name}=={d.version}"
+    return "\n".join(names[k] for k in sorted(names))
+
+
 def provenance(config_hash: str = "none", constants_hash: str = "none") -> dict[str, str]:
+    import torch
+
     return {
         "git_commit": _git_commit(),
         "host": platform.node(),
@@ -86,6 +108,7 @@ def provenance(config_hash: str = "none", constants_hash: str = "none") -> dict[
         "flashinfer": _flashinfer_version(),
         "config_hash": config_hash,
         "constants_hash": constants_hash,
+        "packages": package_list(),
     }
 
 
@@ -110,8 +133,11 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     atomic_write_bytes(path, text.encode())
 
 
-def write_parquet(frame: pd.DataFrame, path: str | Path, meta: dict[str, str]) -> None:
+def write_parquet(frame: "pd.DataFrame", path: str | Path, meta: dict[str, str]) -> None:
     """Write `frame` with `meta` (provenance and anything else) as file metadata, atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     table = pa.Table.from_pandas(frame, preserve_index=False)
     merged = {**(table.schema.metadata or {}), **{f"pkv.{k}".encode(): str(v).encode() for k, v in meta.items()}}
     table = table.replace_schema_metadata(merged)
@@ -121,5 +147,7 @@ def write_parquet(frame: pd.DataFrame, path: str | Path, meta: dict[str, str]) -
 
 
 def read_meta(path: str | Path) -> dict[str, str]:
+    import pyarrow.parquet as pq
+
     raw = pq.read_schema(path).metadata or {}
     return {k.decode()[4:]: v.decode() for k, v in raw.items() if k.startswith(b"pkv.")}

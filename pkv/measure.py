@@ -10,7 +10,8 @@ the paper's tolerance, plus a sampled FP32 reference check), then the timed pass
   overhead at all).
 
 On the CPU, cuda_s and graph_s are NaN. Engines are timed in a rotated order per step
-so that no engine always runs first. The column schema is `COLUMNS` (docs/schema.md).
+so that no engine always runs first. The timings themselves (and the L2 policy) are
+pkv.timing's. The column schema is `COLUMNS` (docs/schema.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -31,6 +31,7 @@ from pkv.cache import PagedCache
 from pkv.engines import Engine
 from pkv.harness import StepState
 from pkv.reference import attention_reference, tensor_lens
+from pkv.timing import L2_FLUSH_BYTES, Timer  # noqa: F401 - both were defined here; kept importable
 
 # Column -> dtype of every measurement row (docs/schema.md explains each).
 COLUMNS = {
@@ -45,7 +46,6 @@ COLUMNS = {
 }
 COUNTER_FIELDS = ("decode_launches", "merge_launches", "extra_launches", "decode_ctas", "empty_ctas",
                   "useful_kv_bytes", "read_kv_bytes", "merge_bytes")
-L2_FLUSH_BYTES = 256 << 20   # > 2x the L2 of any current GPU
 
 
 class CorrectnessError(ValueError):
@@ -83,72 +83,6 @@ def _check(job: Job, step: int, label: str, against: str, err: tuple[float, floa
         raise CorrectnessError(
             f"{job.trace} step {step}: engine {label} vs {against}: max|e| {err[0]:.3g} (limit {tol.max_abs:g}), "
             f"mean|e| {err[1]:.3g} (limit {tol.mean_abs:g})")
-
-
-class Timer:
-    """Wall, CUDA-event and CUDA-graph timing of prepare() + `layers` x (run() + tail)."""
-
-    def __init__(self, cuda: bool, graph: bool, layers: int, tail: Callable[[torch.Tensor], torch.Tensor] | None):
-        self.cuda, self.graph, self.layers, self.tail = cuda, graph and cuda, layers, tail
-        self.graph_failed: set[str] = set()
-        if self.cuda:
-            self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def _body(self, engine: Engine, q: torch.Tensor, plan) -> torch.Tensor:
-        for _ in range(self.layers):
-            out = engine.run(q, plan)
-            if self.tail is not None:
-                self.tail(out)
-        return out
-
-    def timed(self, engine: Engine, state: StepState, q: torch.Tensor):
-        """(plan, wall_s, cuda_s) of one step; the engine's per-step validation is off here
-        (it ran in the untimed correctness pass), for every engine alike."""
-        engine.validate = False
-        if self.cuda:
-            self.flush.zero_()
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        plan = engine.prepare(state)
-        if self.cuda:
-            self.start.record()
-        self._body(engine, q, plan)
-        if self.cuda:
-            self.end.record()
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-        engine.validate = True
-        return plan, wall, self.start.elapsed_time(self.end) / 1e3 if self.cuda else math.nan
-
-    def graph_time(self, label: str, engine: Engine, q: torch.Tensor, plan, replays: int = 3) -> float:
-        """Median device time of `replays` replays of the captured run(); NaN if capture fails."""
-        if not self.graph or label in self.graph_failed:
-            return math.nan
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(side):
-                self._body(engine, q, plan)   # warm-up off the capture, as torch recommends
-            torch.cuda.current_stream().wait_stream(side)
-            with torch.cuda.graph(graph):
-                self._body(engine, q, plan)
-        except RuntimeError as e:
-            # An engine whose run() cannot be captured still gets wall and event times.
-            print(f"graph capture of {label} failed, graph_s = NaN: {e}", file=sys.stderr)
-            self.graph_failed.add(label)
-            torch.cuda.synchronize()
-            return math.nan
-        times = []
-        for _ in range(replays):
-            self.flush.zero_()
-            self.start.record()
-            graph.replay()
-            self.end.record()
-            torch.cuda.synchronize()
-            times.append(self.start.elapsed_time(self.end) / 1e3)
-        return statistics.median(times)
 
 
 def measure(

@@ -118,8 +118,13 @@ def parse_cmd(args) -> int:
 
     from pkv.io import file_hash, read_meta, write_parquet
 
+    constants = json.loads(Path(args.constants).read_text())
+    run_config = read_meta(args.run).get("config_hash", "none")
+    if constants.get("config_hash", "none") != run_config:
+        raise ValueError(f"{args.constants}: frozen for config hash {constants.get('config_hash', 'none')}, but the "
+                         f"profiled run {args.run} ran config {run_config}")
     frame = parse_ncu_csv(args.csv)
-    beta = json.loads(Path(args.constants).read_text())["beta_bytes_per_s"]
+    beta = constants["beta_bytes_per_s"]
     frame["roofline_gbps"] = beta / 1e9
     # The counters were read where the trace ran: keep that run's provenance (GPU, versions).
     meta = {**read_meta(args.run), "stage": "nsight_kernels", "roofline_gbps": f"{beta / 1e9:.1f}",

@@ -6,6 +6,9 @@ has ceil(L / (1 - rho)) page ids; a seeded permutation of it hands each request 
 consecutive slice, so logical order holds inside a block table while physical ids
 scatter. PersistentKV reads a block table + seq_lens; FlashInfer reads indptr, indices
 and last_page_len. Both come from the same assignment.
+
+Page ids, block tables and FlashInfer's indptr/indices are int32: an assignment whose
+page universe would not fit int32 is refused (ValueError), never wrapped.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+INT32_MAX = int(np.iinfo(np.int32).max)
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,9 @@ def assign_pages(total_lens: np.ndarray, page_size: int, holes: float, seed: int
     np.cumsum(counts, out=offsets[1:])
     logical = int(offsets[-1])
     universe = int(np.ceil(logical / (1.0 - holes)))
+    if universe > INT32_MAX:
+        raise ValueError(f"the trace needs {universe} physical pages ({logical} reserved, holes {holes}), above the "
+                         f"int32 page-id limit {INT32_MAX}")
     perm = np.random.default_rng(seed).permutation(universe)
     return PageAssignment(page_size, universe, offsets, perm[:logical].astype(np.int32), reserved)
 

@@ -1,6 +1,8 @@
-"""Pipeline commands the Snakemake rules call: `pkv calibrate`, `pkv measure STAGE`,
-`pkv nsight`, `pkv report`. Each measuring command reads the frozen config.json (and
-constants.json) and writes one Parquet file atomically, provenance included.
+"""Pipeline commands the Snakemake rules call: `pkv freeze-config`, `pkv calibrate`,
+`pkv measure STAGE`, `pkv nsight`, `pkv report`, `pkv compare`. Each measuring command
+reads the frozen config.json (checked) and constants.json (refused when frozen for another
+config) and writes one Parquet file atomically, provenance included. Each command imports
+only what it uses: the report and the comparison never import torch.
 """
 
 from __future__ import annotations
@@ -12,16 +14,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pkv import measure_stages as stages
-from pkv.costmodel import Constants
 from pkv.io import atomic_write_text, file_hash, provenance, write_parquet
-from pkv.measure_config import SMOKE_BANNER, config_hash, load_config, write_config
+from pkv.measure_config import SMOKE_BANNER, check_constants, config_hash, load_config, write_config
 
 
 def add_commands(sub) -> None:
     fr = sub.add_parser("freeze-config", help="write the resolved experiment config every command reads")
     fr.add_argument("--json", required=True, help="the resolved config (profile applied) as JSON")
-    fr.add_argument("--out", required=True)
+    fr.add_argument("--out", required=True, help="the frozen config.json to write")
     fr.set_defaults(func=freeze_config_cmd)
 
     cal = sub.add_parser("calibrate", help="fit and freeze the cost-model constants (calibration seed only)")
@@ -72,17 +72,24 @@ def add_commands(sub) -> None:
                      help="only this output (e.g. results/tables/serving.md); repeatable")
     rep.set_defaults(func=report_cmd)
 
+    cmp = sub.add_parser("compare", help="a run's tables beside the committed reference run's (ratios side by side)")
+    cmp.add_argument("run_dir", nargs="?", help="the run's results folder, e.g. results/runs/nvidia-h200-2026-11-30 "
+                     "(default: the folder two levels above --out)")
+    cmp.add_argument("--reference", default="results", help="the committed reference run's folder")
+    cmp.add_argument("--out", help="Markdown file to write (default: RUN_DIR/tables/comparison.md)")
+    cmp.set_defaults(func=compare_cmd)
+
 
 def _common(p: argparse.ArgumentParser, constants: bool = True) -> None:
     p.add_argument("--config", required=True, help="the frozen config.json of this run")
     if constants:
         p.add_argument("--constants", required=True, help="results/calibration/constants.json")
-    p.add_argument("--out", required=True)
+    p.add_argument("--out", required=True, help="the file this job writes (atomically)")
 
 
 def _point(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--family", required=True)
-    p.add_argument("--max-active", type=int, required=True)
+    p.add_argument("--family", required=True, help="trace family of the operating point")
+    p.add_argument("--max-active", type=int, required=True, help="continuous-batching limit B of the operating point")
 
 
 def _announce(cfg: dict) -> None:
@@ -96,7 +103,10 @@ def _meta(args, cfg: dict, extra: dict) -> dict:
 
 
 def freeze_config_cmd(args) -> int:
-    cfg = json.loads(args.json)
+    try:
+        cfg = json.loads(args.json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"freeze-config: --json is not valid JSON ({e})") from None
     write_config(cfg, args.out)
     print(f"froze profile {cfg['profile']} (config hash {config_hash(cfg)}) to {args.out}", file=sys.stderr)
     return 0
@@ -117,7 +127,11 @@ def calibrate_cmd(args) -> int:
 
 def measure_cmd(args) -> int:
     cfg = load_config(args.config)
+    check_constants(cfg, args.constants)
     _announce(cfg)
+    from pkv import measure_stages as stages
+    from pkv.costmodel import Constants
+
     k = Constants.load(args.constants)
     if args.stage == "serve":
         frame, meta = stages.serve(cfg, k, args.family, args.max_active, args.seed, args.engine_set)
@@ -147,7 +161,9 @@ def nsight_cmd(args) -> int:
     if ncu is None:
         raise OSError("nsight: `ncu` (Nsight Compute) is not on PATH; install it, or set `nsight: false` "
                       "in config.yaml (or pass --config nsight=False) to run `all` without the Nsight stage")
-    c = load_config(args.config)["nsight_capture"]
+    cfg = load_config(args.config)
+    check_constants(cfg, args.constants)
+    c = cfg["nsight_capture"]
     out = Path(args.out)
     cmd = [ncu, "--clock-control", "none", "--kernel-name-base", "demangled", "--kernel-name", c["kernel_filter"],
            "--metrics", ",".join(c["metrics"]), "--csv", "--log-file", str(out.with_suffix(".tmp.csv")),
@@ -172,10 +188,25 @@ def report_cmd(args) -> int:
         raise ValueError("name RESULTS_DIR, or --target files of one results folder")
     root = Path(args.results_dir) if args.results_dir else roots.pop()
 
-    def skip(path: Path, reason: str) -> None:
-        print(f"skipped {path}: {reason}", file=sys.stderr)
-
-    # Named targets must exist; the whole report of a partly measured folder skips the rest.
-    for path in build_report(root, targets, on_missing=None if targets else skip):
+    skipped = []
+    # Named targets must exist; the whole report of a partly measured folder skips the rest
+    # (said after the report is written: a failed report prints only its one-line error).
+    written = build_report(root, targets, on_missing=None if targets else lambda p, why: skipped.append((p, why)))
+    for path in written:
         print(path)
+    for path, why in skipped:
+        print(f"skipped {path}: {why}", file=sys.stderr)
+    return 0
+
+
+def compare_cmd(args) -> int:
+    from pkv.report import compare
+
+    if args.run_dir is None and args.out is None:
+        raise ValueError("compare: name RUN_DIR, or --out RUN_DIR/tables/comparison.md")
+    run = Path(args.run_dir) if args.run_dir else Path(args.out).parent.parent
+    out = Path(args.out) if args.out else run / "tables" / "comparison.md"
+    text = compare(run, Path(args.reference))
+    atomic_write_text(out, text)
+    print(out)
     return 0

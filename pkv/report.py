@@ -1,32 +1,35 @@
 """`pkv report RESULTS_DIR`: every table and figure from the Parquet under RESULTS_DIR/raw.
 
-Reads Parquet only (never a GPU, never the config). Tables are Markdown, plus LaTeX for
-the paper's tables, and are deterministic: the same Parquet gives the same bytes.
-Ratios are per job (one Parquet file = one trace, one seed): an engine's decode-token
-throughput, sum(active) / sum(time), over the faster FlashInfer variant's for the same
-timing (wall, CUDA events, CUDA-graph replay); mean and sample std are over seeds.
-A results folder whose files name more than one GPU model is refused.
+Reads Parquet only (never a GPU; of the folder's config.json only the held-out seeds, to
+flag a missing one). Tables are Markdown, plus LaTeX for the paper's tables, and are
+deterministic: the same Parquet gives the same bytes. Ratios are per job (one Parquet
+file = one trace, one seed), pkv.ratios; mean and sample std are over seeds.
+
+A report refuses to mix: the files it reads must name one GPU model, one config hash and
+one constants hash (those of the folder's config.json and calibration/constants.json
+where the folder has them). An unreadable file is named in a one-line error. Every
+requested table and figure is built in memory first and written only when all of them
+built (all or nothing). A seed missing from a per-seed stage is flagged in the table.
+
+`pkv compare RUN_DIR` puts a run's tables beside the committed reference run's.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import pandas as pd
-import pyarrow.parquet as pq
 from tabulate import tabulate
 
-from pkv.io import atomic_write_text, read_meta
+from pkv.io import atomic_write_bytes, dict_hash, file_hash, read_meta
 from pkv.measure_config import SMOKE_BANNER
 from pkv.nsight import table5
-from pkv import report_figures
-
-FLASHINFER = ("flashinfer", "flashinfer-tc")
-TIMINGS = {"wall": "wall_s", "cuda": "cuda_s", "graph": "graph_s"}
-FAMILY_ORDER = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf", "external")
+from pkv.ratios import FAMILY_ORDER, FLASHINFER, TIMINGS, baselines, ratios, throughputs, trace_label, trace_order  # noqa: F401
+from pkv.report_spec import FIGURE_SPECS, PER_SEED_STAGES, TABLE_SPECS
 
 
 @dataclass
@@ -36,57 +39,114 @@ class Raw:
     frame: pd.DataFrame
     metas: list[dict]
     smoke: bool
+    missing_seeds: dict[str, list[int]] = field(default_factory=dict)   # row label -> seeds without a file
 
 
 class MissingStage(ValueError):
     """A target's stage has not been measured in this results folder."""
 
 
+class ReportError(ValueError):
+    """A results folder that cannot be reported as it is (one line, naming the file)."""
+
+
+def check_folder(root: Path) -> None:
+    if not root.exists():
+        raise ReportError(f"{root}: no such results folder")
+    if not root.is_dir():
+        raise ReportError(f"{root}: not a folder")
+    if not (root / "raw").is_dir():
+        raise ReportError(f"{root}: not a results folder (no raw/ inside; name the folder that holds raw/)")
+
+
+def _frozen_hashes(root: Path) -> tuple[str | None, str | None]:
+    """(config hash, constants hash) of the folder's frozen files, where it has them."""
+    cfg, const = root / "config.json", root / "calibration" / "constants.json"
+    config = None
+    if cfg.is_file():
+        try:
+            config = dict_hash(json.loads(cfg.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ReportError(f"{cfg}: not valid JSON ({e})") from None
+    return config, file_hash(const) if const.is_file() else None
+
+
+def _expected_seeds(root: Path) -> set[int]:
+    try:
+        return {int(s) for s in json.loads((root / "config.json").read_text())["seeds"]["heldout"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _one(values: dict[str, list[Path]], what: str, root: Path, frozen: str | None, frozen_file: str) -> None:
+    values = {k: v for k, v in values.items() if k != "none"}
+    if frozen is not None:
+        wrong = {k: v for k, v in values.items() if k != frozen}
+        if wrong:
+            k, files = sorted(wrong.items())[0]
+            raise ReportError(f"{files[0]}: {what} {k} is not this folder's ({frozen}, {root / frozen_file}); "
+                              f"{sum(len(v) for v in wrong.values())} file(s) come from another run: rerun them or "
+                              "report them separately")
+    if len(values) > 1:
+        listing = "; ".join(f"{k}: {v[0].name}{' and others' if len(v) > 1 else ''}" for k, v in sorted(values.items()))
+        raise ReportError(f"{root} mixes results of several {what}es ({listing}); report each run's folder separately")
+
+
 def load(root: Path, stages: tuple[str, ...], required: bool = True) -> Raw:
+    import pyarrow.parquet as pq
+
     files = sorted(f for s in stages for f in (root / "raw" / s).glob("*.parquet"))
     if not files and required:
         raise MissingStage(f"no Parquet under {', '.join(str(root / 'raw' / s) for s in stages)}; run the stage first")
-    metas = [read_meta(f) for f in files]
+    metas, frames = [], []
+    for f in files:
+        try:
+            metas.append(read_meta(f))
+            frames.append(pq.read_table(f).to_pandas())
+        except Exception as e:  # noqa: BLE001 - any reader failure is this file's fault
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ReportError(f"{f}: unreadable Parquet ({why})") from None
     gpus = sorted({m.get("gpu", "unknown") for m in metas})
     if len(gpus) > 1:
-        raise ValueError(f"{root} mixes results from several GPU models ({', '.join(gpus)}); "
-                         "report each GPU's results folder separately")
-    frames = [pq.read_table(f).to_pandas() for f in files]
+        raise ReportError(f"{root} mixes results from several GPU models ({', '.join(gpus)}); "
+                          "report each GPU's results folder separately")
+    frozen_config, frozen_constants = _frozen_hashes(root)
+    by_config: dict[str, list[Path]] = {}
+    by_constants: dict[str, list[Path]] = {}
+    for f, m in zip(files, metas):
+        by_config.setdefault(m.get("config_hash", "none"), []).append(f)
+        if m.get("stage") != "calibrate":
+            by_constants.setdefault(m.get("constants_hash", "none"), []).append(f)
+    _one(by_config, "config hash", root, frozen_config, "config.json")
+    _one(by_constants, "constants hash", root, frozen_constants, "calibration/constants.json")
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     # A stage without files (Nsight off) takes the profile from the folder's other files.
     profiles = metas or [read_meta(f) for f in sorted(root.glob("raw/*/*.parquet"))[:1]]
-    return Raw(frame, metas, any(m.get("profile") == "smoke" for m in profiles))
+    raw = Raw(frame, metas, any(m.get("profile") == "smoke" for m in profiles))
+    raw.missing_seeds = missing_seeds(frame, _expected_seeds(root)) if set(stages) & set(PER_SEED_STAGES) else {}
+    return raw
 
 
-# ---------------------------------------------------------------- ratios
+def missing_seeds(frame: pd.DataFrame, expected: set[int]) -> dict[str, list[int]]:
+    """Row label -> held-out seeds it lacks, over the per-seed stages in `frame`: each
+    (stage, family, batch) should have every seed of the config (or, without a config,
+    every seed any of them has)."""
+    if frame.empty:
+        return {}
+    rows = frame[frame["stage"].isin(PER_SEED_STAGES)]
+    expected = expected or {int(s) for s in rows["seed"].unique()}
+    out = {}
+    for (stage, family, batch), g in rows.groupby(["stage", "family", "max_active"], sort=True, observed=True):
+        lack = sorted(expected - {int(s) for s in g["seed"].unique()})
+        if lack:
+            out[f"{stage}: {trace_label(family, int(batch))}"] = lack
+    return out
 
 
-def baselines(frame: pd.DataFrame) -> list[str]:
-    present = [b for b in FLASHINFER if b in set(frame["engine"])]
-    return present or ["reference"]
-
-
-def throughputs(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """tok/s per (keys, engine) for each timing; NaN where a timing was not taken."""
-    g = frame.groupby([*keys, "engine"], sort=True, observed=True)
-    out = g["active"].sum().to_frame("tokens")
-    out["steps"] = g.size()
-    for name, col in TIMINGS.items():
-        total = g[col].agg(lambda s: s.to_numpy().sum())   # NaN if any step lacks this timing
-        out[f"{name}_tps"] = out["tokens"] / total
-        out[f"{name}_ms"] = total / out["steps"] * 1e3
-    return out.reset_index()
-
-
-def ratios(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Per (keys, engine): throughput ratio over the faster baseline per timing."""
-    t = throughputs(frame, keys)
-    base = baselines(frame)
-    best = t[t["engine"].isin(base)].groupby(keys, sort=True, observed=True)[[f"{n}_tps" for n in TIMINGS]].max()
-    t = t.join(best.add_suffix("_base"), on=keys)
-    for name in TIMINGS:
-        t[f"{name}_ratio"] = t[f"{name}_tps"] / t[f"{name}_tps_base"]
-    return t
+def seeds_cell(raw: Raw, stage: str, family: str, batch: int, have: int) -> str:
+    """The Seeds column: the count, and which are missing when any is."""
+    lack = raw.missing_seeds.get(f"{stage}: {trace_label(family, batch)}")
+    return f"{have} of {have + len(lack)} (missing {', '.join(map(str, lack))})" if lack else str(have)
 
 
 # ---------------------------------------------------------------- formatting
@@ -105,15 +165,6 @@ def mean_sd(values: pd.Series, spec: str = ".3f") -> str:
     return f"{format(v.mean(), spec)}±{format(v.std(ddof=1), spec)}"
 
 
-def trace_label(family: str, max_active: int) -> str:
-    return f"{family.capitalize()} B{max_active}"
-
-
-def trace_order(frame: pd.DataFrame) -> list[tuple[str, int]]:
-    pairs = frame[["family", "max_active"]].drop_duplicates().itertuples(index=False)
-    return sorted(((f, int(b)) for f, b in pairs), key=lambda p: (p[1] != 1, FAMILY_ORDER.index(p[0]) if p[0] in FAMILY_ORDER else 99, p[1]))
-
-
 def modal_route(routes: pd.Series) -> str:
     counts = routes.value_counts()
     top = counts[counts == counts.max()].index.min()
@@ -126,9 +177,12 @@ def modal_route(routes: pd.Series) -> str:
 
 @dataclass(frozen=True)
 class Table:
+    """A TableSpec (pkv.report_spec) with the function that builds it."""
+
     title: str
     caption: str
     stages: tuple[str, ...]
+    keys: tuple[str, ...]
     build: Callable[[Raw], pd.DataFrame]
     latex: bool = False
     required: bool = True
@@ -147,7 +201,7 @@ def t_serving(raw: Raw) -> pd.DataFrame:
             "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
             "Wall ratio min": num(r.loc[sel, "wall_ratio"].min()),
             "Max |e|": num(steps["max_abs_err"].max(), ".3e"), "Mean |e|": num(steps["mean_abs_err"].mean(), ".3e"),
-            "Seeds": str(r.loc[sel, "seed"].nunique()),
+            "Seeds": seeds_cell(raw, "serve", family, batch, r.loc[sel, "seed"].nunique()),
         })
     return pd.DataFrame(rows)
 
@@ -232,9 +286,11 @@ def t_b4_sweep(raw: Raw) -> pd.DataFrame:
     r = r[r["engine"] == "pkv-workqueue"]
     rows = []
     for split, g in r.groupby("split", sort=True):
+        family, batch = g["family"].iloc[0], int(g["max_active"].iloc[0])
         rows.append({"Split": str(int(split)), "Wall ratio": mean_sd(g["wall_ratio"]), "Wall min": num(g["wall_ratio"].min()),
                      "Wall max": num(g["wall_ratio"].max()), "CUDA ratio": mean_sd(g["cuda_ratio"]),
-                     "Graph ratio": mean_sd(g["graph_ratio"]), "Seeds": str(g["seed"].nunique())})
+                     "Graph ratio": mean_sd(g["graph_ratio"]),
+                     "Seeds": seeds_cell(raw, "b4_sweep", family, batch, g["seed"].nunique())})
     return pd.DataFrame(rows)
 
 
@@ -339,40 +395,12 @@ def status(wall_ratio: pd.Series, routes: pd.Series) -> str:
     return "Mixed" if wall_ratio.mean() >= 1.0 else "Regression"
 
 
-TABLES = {
-    "isolated": Table("Table 1: isolated native-paged decode attention, B=1, 50% holes",
-                      "Median device time per call (CUDA-graph replay; CUDA events, else wall time where not measured). "
-                      "PersistentKV rows take the best split of the calibration grid (split in parentheses).",
-                      ("isolated",), t_isolated, latex=True),
-    "serving": Table("Table 2: calibrated cost-model serving results (held-out seeds)",
-                     "Adaptive route over the faster FlashInfer variant per seed and timing; mean±std over seeds. "
-                     "Errors are against the correctness baseline after FP32 conversion.",
-                     ("serve",), t_serving, latex=True),
-    "mlp_proxy": Table("Table 3: model-level proxy, attention + gated MLP tail",
-                       "Layers > 1 share one plan per step. Mean±std over seeds.", ("mlp_proxy",), t_mlp_proxy, latex=True),
-    "counters": Table("Table 4: scheduler-derived structural counters",
-                      "Means per decode step over every held-out seed; baselines report no schedule counters (–).",
-                      ("serve",), t_counters, latex=True),
-    "nsight": Table("Table 5: Nsight Compute hardware counters",
-                    "Per kernel, means over captured invocations; DRAM / roofline is read bandwidth over the calibrated beta.",
-                    ("nsight_kernels",), t_nsight, latex=True, required=False),
-    "coverage": Table("Table 6: evidence and coverage map",
-                      "Status: Positive when every seed's wall ratio > 1; baseline routes are no-regression cases.",
-                      ("serve", "gqa_sweep", "mlp_proxy", "external"), t_coverage, latex=True),
-    "split_sensitivity": Table("Table 7: split-count sensitivity",
-                               "Cost-model policy at the frozen split and its neighbours over the faster FlashInfer variant.",
-                               ("split_sensitivity",), t_split_sensitivity, latex=True),
-    "gqa_sweep": Table("Table 8: serving GQA/MQA sweep", "Adaptive route and ungated PersistentKV workqueue over FlashInfer.",
-                       ("gqa_sweep",), t_gqa_sweep, latex=True),
-    "b4_sweep": Table("B4 split sweep: PersistentKV workqueue forced on the B4 boundary",
-                      "Mean±std over held-out seeds.", ("b4_sweep",), t_b4_sweep),
-    "raggedness": Table("Raggedness ablation: exact buckets vs masked bucket vs workqueue",
-                        "Per decode step means; ratios over the faster FlashInfer variant.", ("raggedness",), t_raggedness),
-    "ablations": Table("Implementation ablations: fused merge, row-local bounds, early exit, indexed Q/O, CUDA-graph replay",
-                       "Graph ms/step is the CUDA-graph replay of run() (no host overhead).", ("implementation",), t_ablations),
-    "external": Table("External request trace (Azure LLM inference 2023, conversation)",
-                      "Ratios over the faster FlashInfer variant.", ("external",), t_external),
+BUILDERS = {
+    "isolated": t_isolated, "serving": t_serving, "mlp_proxy": t_mlp_proxy, "counters": t_counters,
+    "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity, "gqa_sweep": t_gqa_sweep,
+    "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations, "external": t_external,
 }
+TABLES = {name: Table(**asdict(spec), build=BUILDERS[name]) for name, spec in TABLE_SPECS.items()}
 
 
 def provenance_line(raw: Raw) -> str:
@@ -383,14 +411,23 @@ def provenance_line(raw: Raw) -> str:
     return "; ".join(parts)
 
 
+def missing_note(raw: Raw) -> str:
+    if not raw.missing_seeds:
+        return ""
+    parts = [f"{label} lacks seed(s) {', '.join(map(str, seeds))}" for label, seeds in raw.missing_seeds.items()]
+    return "**Missing seeds** (means are over fewer seeds than the config's held-out seeds): " + "; ".join(parts) + "."
+
+
 def render(name: str, table: Table, raw: Raw, fmt: str) -> str:
     frame = table.build(raw)
+    note = missing_note(raw)
     if fmt == "md":
         banner = f"> **{SMOKE_BANNER}.**\n\n" if raw.smoke else ""
         body = tabulate(frame, headers="keys", tablefmt="github", showindex=False, disable_numparse=True)
-        return f"# {table.title}\n\n{banner}{table.caption}\n\n{body}\n\nSource: {provenance_line(raw)}.\n"
+        note = f"{note}\n\n" if note else ""
+        return f"# {table.title}\n\n{banner}{table.caption}\n\n{body}\n\n{note}Source: {provenance_line(raw)}.\n"
     body = tabulate(frame, headers="keys", tablefmt="latex_booktabs", showindex=False, disable_numparse=True)
-    caption = (f"{SMOKE_BANNER}. " if raw.smoke else "") + table.caption
+    caption = (f"{SMOKE_BANNER}. " if raw.smoke else "") + table.caption + (f" {note.replace('**', '')}" if note else "")
     return (f"% generated by `pkv report` from Parquet; do not edit\n\\begin{{table}}[t]\n\\centering\n"
             f"\\caption{{{table.title}. {caption}}}\n\\label{{tab:{name}}}\n{body}\n\\end{{table}}\n")
 
@@ -398,16 +435,19 @@ def render(name: str, table: Table, raw: Raw, fmt: str) -> str:
 def targets(root: Path) -> list[Path]:
     out = [root / "tables" / f"{n}.md" for n in TABLES]
     out += [root / "tables" / f"{n}.tex" for n, t in TABLES.items() if t.latex]
-    out += [root / "figures" / f"{n}.png" for n in report_figures.FIGURES]
+    out += [root / "figures" / f"{n}.png" for n in FIGURE_SPECS]
     return out
 
 
 def build_report(root: Path, only: list[Path], on_missing: Callable[[Path, str], None] | None = None) -> list[Path]:
     """Write every target (or only those named) under root; returns what was written.
 
-    A target whose stage has no Parquet fails, unless `on_missing` is given: then it is
-    told (target, reason) and the target is skipped, as for a partly measured folder.
+    All or nothing: every target is built in memory first; if any fails (an unreadable
+    or mixed file), nothing is written. A target whose stage has no Parquet fails too,
+    unless `on_missing` is given: then it is told (target, reason) and the target is
+    skipped, as for a partly measured folder.
     """
+    check_folder(root)
     wanted = targets(root)
     if only:
         unknown = [p for p in only if p not in wanted]
@@ -415,25 +455,96 @@ def build_report(root: Path, only: list[Path], on_missing: Callable[[Path, str],
             raise ValueError(f"unknown report target(s): {', '.join(map(str, unknown))}; "
                              f"known: {', '.join(str(p) for p in wanted)}")
         wanted = only
-    written = []
+    built: dict[Path, bytes] = {}
+    cache: dict[tuple, Raw] = {}
     for path in wanted:
         try:
-            _write_target(root, path)
+            built[path] = _build_target(root, path, cache)
         except MissingStage as e:
             if on_missing is None:
                 raise
             on_missing(path, str(e))
-            continue
-        written.append(path)
-    return written
+    for path, data in built.items():
+        atomic_write_bytes(path, data)
+    return list(built)
 
 
-def _write_target(root: Path, path: Path) -> None:
+def _load_cached(root: Path, stages: tuple[str, ...], required: bool, cache: dict) -> Raw:
+    key = (stages, required)
+    if key not in cache:
+        cache[key] = load(root, stages, required)
+    return cache[key]
+
+
+def _build_target(root: Path, path: Path, cache: dict) -> bytes:
     name = path.stem
     if path.parent.name == "tables":
         table = TABLES[name]
-        atomic_write_text(path, render(name, table, load(root, table.stages, table.required), path.suffix[1:]))
-    else:
-        fig = report_figures.FIGURES[name]
-        raw = load(root, fig.stages, fig.required)
-        report_figures.draw(name, raw.frame, raw.smoke, path)
+        return render(name, table, _load_cached(root, table.stages, table.required, cache), path.suffix[1:]).encode()
+    from pkv import report_figures
+
+    spec = FIGURE_SPECS[name]
+    raw = _load_cached(root, spec.stages, spec.required, cache)
+    return report_figures.draw(name, raw.frame, raw.smoke)
+
+
+# ---------------------------------------------------------------- a run against the reference
+
+
+def _side_by_side(table: Table, ref: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
+    keys = [k for k in table.keys if k in ref.columns and k in run.columns]
+    values = [c for c in ref.columns if c not in keys and c in run.columns]
+    ratio_cols = [c for c in values if "ratio" in c.lower()]
+    values = ratio_cols or values
+    ref = ref.drop_duplicates(subset=keys).set_index(keys)[values]
+    run = run.drop_duplicates(subset=keys).set_index(keys)[values]
+    order = list(dict.fromkeys([*ref.index, *run.index]))
+    both = pd.DataFrame(index=pd.Index(order) if len(keys) == 1 else pd.MultiIndex.from_tuples(order, names=keys))
+    both.index.names = keys
+    for c in values:
+        both[f"{c} (reference)"] = ref[c].reindex(both.index).fillna("–")
+        both[f"{c} (this run)"] = run[c].reindex(both.index).fillna("–")
+    return both.reset_index()
+
+
+def _run_line(raw: Raw) -> str:
+    keys = ("gpu", "git_commit", "config_hash", "constants_hash", "torch", "flashinfer")
+    return ", ".join(f"{k} {', '.join(sorted({m.get(k, 'unknown') for m in raw.metas})) or '–'}" for k in keys)
+
+
+def compare(run: Path, reference: Path) -> str:
+    """Markdown: every table of `run` beside the same table of `reference`, per table, the
+    ratio columns side by side (every value column where a table has no ratio)."""
+    check_folder(run)
+    check_folder(reference)
+    parts = [f"# {run} against the reference run {reference}\n",
+             "Each table of this run beside the committed reference run's, row by row (ratio columns where the "
+             "table has them, else every value column). A ratio's denominator is FlashInfer measured in the same "
+             "run on the same GPU, so ratios compare across GPUs; absolute times do not.\n"]
+    try:
+        cfg_ref = json.loads((reference / "config.json").read_text())
+        cfg_run = json.loads((run / "config.json").read_text())
+        from pkv.measure_config import differences
+
+        diff = differences(cfg_ref, cfg_run)
+        parts.append("Configs: identical.\n" if not diff else f"**Configs differ** in: {', '.join(diff)}.\n")
+    except (OSError, ValueError):
+        parts.append("Configs: not compared (a folder has no config.json).\n")
+    for name, table in TABLES.items():
+        parts.append(f"## {table.title}\n")
+        sides = {}
+        for label, root in (("reference", reference), ("this run", run)):
+            try:
+                sides[label] = load(root, table.stages, table.required)
+            except MissingStage:
+                sides[label] = None
+        if sides["reference"] is None or sides["this run"] is None:
+            which = " and ".join(k for k, v in sides.items() if v is None)
+            parts.append(f"Not measured in {which}.\n")
+            continue
+        frame = _side_by_side(table, table.build(sides["reference"]), table.build(sides["this run"]))
+        parts.append(tabulate(frame, headers="keys", tablefmt="github", showindex=False, disable_numparse=True) + "\n")
+        for label, raw in sides.items():
+            note = missing_note(raw)
+            parts.append(f"{label.capitalize()}: {_run_line(raw)}." + (f" {note}" if note else "") + "\n")
+    return "\n".join(parts)

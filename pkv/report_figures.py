@@ -1,10 +1,13 @@
-"""The report's figures, one function per PNG, from the rows pkv.report loads."""
+"""The report's figures, one function per PNG, from the rows pkv.report loads.
+
+Each figure function returns the PNG's bytes; pkv.report writes them (all or nothing).
+Shares its ratios and labels with the tables through pkv.ratios (no import of pkv.report).
+"""
 
 from __future__ import annotations
 
 import io
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import matplotlib
@@ -15,34 +18,34 @@ from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
 
-from pkv.io import atomic_write_bytes  # noqa: E402
+from pkv import ratios as rep  # noqa: E402
 from pkv.measure_config import SMOKE_BANNER  # noqa: E402
+from pkv.report_spec import FIGURE_SPECS  # noqa: E402
 
 TIMING_LABELS = {"wall": "wall (synchronized step)", "cuda": "CUDA events", "graph": "CUDA-graph replay"}
 
 
-def _report():
-    from pkv import report  # report imports this module
-
-    return report
-
-
 def _baseline_name(frame: pd.DataFrame) -> str:
-    base = _report().baselines(frame)
+    base = rep.baselines(frame)
     return "FP32 reference (FlashInfer stand-in)" if base == ["reference"] else "faster FlashInfer variant"
 
 
-def _finish(fig, ax_title: str, smoke: bool, path: Path) -> None:
+def _layout(fig, ax_title: str, smoke: bool):
     fig.suptitle(ax_title + (f"\n{SMOKE_BANNER}" if smoke else ""), fontsize=11)
     fig.tight_layout()
+    return fig
+
+
+def _finish(fig, ax_title: str, smoke: bool) -> bytes:
+    _layout(fig, ax_title, smoke)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def _long_ratios(frame: pd.DataFrame, keys: list[str], engine: str) -> pd.DataFrame:
-    r = _report().ratios(frame, keys)
+    r = rep.ratios(frame, keys)
     r = r[r["engine"] == engine]
     long = r.melt(id_vars=keys, value_vars=[f"{t}_ratio" for t in ("wall", "cuda", "graph")], var_name="timing",
                   value_name="ratio").dropna(subset=["ratio"])
@@ -50,21 +53,33 @@ def _long_ratios(frame: pd.DataFrame, keys: list[str], engine: str) -> pd.DataFr
     return long
 
 
-def serving_ratios(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
-    rep = _report()
+def serving_ratios(frame: pd.DataFrame, smoke: bool) -> bytes:
+    fig = serving_ratios_figure(frame, smoke)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def serving_ratios_figure(frame: pd.DataFrame, smoke: bool):
+    """The laid-out (not yet saved) serving-ratio figure; tests check it for overlaps."""
     long = _long_ratios(frame, ["family", "max_active", "seed"], "adaptive")
     order = [rep.trace_label(f, b) for f, b in rep.trace_order(frame)]
     long["trace"] = [rep.trace_label(f, b) for f, b in zip(long["family"], long["max_active"])]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    # Two-line tick labels ("Homogeneous" over "B8") never overlap; the legend sits above
+    # the axes, clear of the bars.
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(order) + 1), 4.8))
     sns.barplot(long, x="trace", y="ratio", hue="timing", order=order, errorbar="sd", capsize=0.15, ax=ax)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
+    ax.set_xticks(range(len(order)), [label.replace(" ", "\n") for label in order])
     ax.set_xlabel("trace family, max active requests")
     ax.set_ylabel("decode-token throughput ratio (×)")
-    ax.legend(title="timing (error bars: std over seeds)", fontsize=8, title_fontsize=8)
-    _finish(fig, f"Adaptive route over the {_baseline_name(frame)}, held-out seeds", smoke, path)
+    ax.legend(title="timing (error bars: std over seeds)", fontsize=8, title_fontsize=8, ncols=4,
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    return _layout(fig, f"Adaptive route over the {_baseline_name(frame)}, held-out seeds", smoke)
 
 
-def latency_vs_context(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
+def latency_vs_context(frame: pd.DataFrame, smoke: bool) -> bytes:
     f = frame.copy()
     f["device_ms"] = f["graph_s"].fillna(f["cuda_s"]).fillna(f["wall_s"]) * 1e3
     med = f.groupby(["engine", "split", "max_len"], sort=True, observed=True)["device_ms"].median().reset_index()
@@ -82,11 +97,10 @@ def latency_vs_context(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel(f"latency per call, median (ms, {timing})")
     ax.legend(title="engine", fontsize=8, title_fontsize=8)
-    _finish(fig, "Isolated decode attention, B=1, 50% holes", smoke, path)
+    return _finish(fig, "Isolated decode attention, B=1, 50% holes", smoke)
 
 
-def split_sensitivity(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
-    rep = _report()
+def split_sensitivity(frame: pd.DataFrame, smoke: bool) -> bytes:
     sens = frame[frame["stage"] == "split_sensitivity"]
     b4 = frame[frame["stage"] == "b4_sweep"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
@@ -102,11 +116,10 @@ def split_sensitivity(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(title, fontsize=10)
         ax.legend(title="trace", fontsize=8, title_fontsize=8)
-    _finish(fig, "Split-count sensitivity", smoke, path)
+    return _finish(fig, "Split-count sensitivity", smoke)
 
 
-def launches_per_step(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
-    rep = _report()
+def launches_per_step(frame: pd.DataFrame, smoke: bool) -> bytes:
     f = frame.copy()
     f["trace"] = [rep.trace_label(fa, b) for fa, b in zip(f["family"], f["max_active"])]
     order = [rep.trace_label(fa, b) for fa, b in rep.trace_order(f)]
@@ -116,11 +129,10 @@ def launches_per_step(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
     ax.set_xlabel("trace family, max active requests")
     ax.set_ylabel("kernel launches per decode step (mean)")
     ax.legend(title="engine", fontsize=8, title_fontsize=8, ncols=2)
-    _finish(fig, "Launch fan-out per decode step (held-out seeds)", smoke, path)
+    return _finish(fig, "Launch fan-out per decode step (held-out seeds)", smoke)
 
 
-def coverage(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
-    rep = _report()
+def coverage(frame: pd.DataFrame, smoke: bool) -> bytes:
     parts = []
     for stage in ("serve", "gqa_sweep"):
         s = frame[frame["stage"] == stage]
@@ -136,17 +148,16 @@ def coverage(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
     ax.grid(False)
     ax.set_xlabel("engine")
     ax.set_ylabel("regime (trace, max active, GQA group)")
-    _finish(fig, f"Coverage: wall throughput over the {_baseline_name(frame)}", smoke, path)
+    return _finish(fig, f"Coverage: wall throughput over the {_baseline_name(frame)}", smoke)
 
 
-def nsight(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
+def nsight(frame: pd.DataFrame, smoke: bool) -> bytes:
     fig, (t_ax, bw_ax) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
     if frame.empty:
         for ax in (t_ax, bw_ax):
             ax.set_axis_off()
         t_ax.text(0.0, 0.5, "no Nsight Compute capture in this results folder (nsight: false)", fontsize=11)
-        _finish(fig, "Nsight Compute counters per kernel", smoke, path)
-        return
+        return _finish(fig, "Nsight Compute counters per kernel", smoke)
     order = sorted(frame["kernel"].unique())
     sns.barplot(frame, y="kernel", x="time_us", order=order, errorbar="sd", capsize=0.15, ax=t_ax)
     t_ax.set_xlabel("time per invocation (µs)")
@@ -157,26 +168,23 @@ def nsight(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
     bw_ax.set_xlabel("DRAM read bandwidth (GB/s)")
     bw_ax.set_ylabel("")
     bw_ax.legend(loc="lower right", fontsize=8)
-    _finish(fig, "Nsight Compute counters per kernel (error bars: std over invocations)", smoke, path)
+    return _finish(fig, "Nsight Compute counters per kernel (error bars: std over invocations)", smoke)
 
 
 @dataclass(frozen=True)
 class Figure:
     stages: tuple[str, ...]
-    draw: Callable[[pd.DataFrame, bool, Path], None]
+    draw: Callable[[pd.DataFrame, bool], bytes]
     required: bool = True  # False: drawn (saying so) when the stage has no Parquet
 
 
-FIGURES = {
-    "serving_ratios": Figure(("serve",), serving_ratios),
-    "latency_vs_context": Figure(("isolated",), latency_vs_context),
-    "split_sensitivity": Figure(("split_sensitivity", "b4_sweep"), split_sensitivity),
-    "launches_per_step": Figure(("serve",), launches_per_step),
-    "coverage": Figure(("serve", "gqa_sweep"), coverage),
-    "nsight": Figure(("nsight_kernels",), nsight, required=False),
-}
+_DRAW = {"serving_ratios": serving_ratios, "latency_vs_context": latency_vs_context,
+         "split_sensitivity": split_sensitivity, "launches_per_step": launches_per_step, "coverage": coverage,
+         "nsight": nsight}
+FIGURES = {name: Figure(spec.stages, _DRAW[name], spec.required) for name, spec in FIGURE_SPECS.items()}
 
 
-def draw(name: str, frame: pd.DataFrame, smoke: bool, path: Path) -> None:
+def draw(name: str, frame: pd.DataFrame, smoke: bool) -> bytes:
+    """The PNG bytes of figure `name`."""
     sns.set_theme(style="whitegrid", context="paper")
-    FIGURES[name].draw(frame, smoke, path)
+    return FIGURES[name].draw(frame, smoke)

@@ -7,7 +7,6 @@ import argparse
 import numpy as np
 
 from pkv.harness import peak_active
-from pkv.shape import Shape
 from pkv.traces import FAMILIES, SyntheticSpec, Trace, Transform, apply_transform, load_trace, synthetic
 
 
@@ -18,20 +17,20 @@ def add_commands(sub) -> None:
     src.add_argument("--family", choices=FAMILIES, help="synthetic trace family")
     src.add_argument("--file", help="CSV, JSON or JSONL request file (native or Azure schema)")
     show.add_argument("--seed", type=int, default=20260623, help="synthetic trace seed")
-    show.add_argument("--num-requests", type=int, default=16)
-    show.add_argument("--decode-min", type=int, default=16)
-    show.add_argument("--decode-max", type=int, default=64)
+    show.add_argument("--num-requests", type=int, default=16, help="synthetic trace: requests")
+    show.add_argument("--decode-min", type=int, default=16, help="synthetic trace: shortest decode length")
+    show.add_argument("--decode-max", type=int, default=64, help="synthetic trace: longest decode length")
     show.add_argument("--step-ms", type=float, default=100.0, help="step length for timestamped (Azure) files")
     show.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths (recorded)")
     show.add_argument("--min-len", type=int, help="drop requests shorter than this (total tokens)")
     show.add_argument("--max-len", type=int, help="drop requests longer than this (total tokens)")
     show.add_argument("--max-requests", type=int, help="keep the first N requests by arrival")
     show.add_argument("--max-active", type=int, default=8, help="continuous-batching limit for the peak-active figure")
-    show.add_argument("--num-qo-heads", type=int, default=32)
-    show.add_argument("--num-kv-heads", type=int, default=8)
-    show.add_argument("--head-dim", type=int, default=128)
-    show.add_argument("--page-size", type=int, default=16)
-    show.add_argument("--dtype", default="float16")
+    show.add_argument("--num-qo-heads", type=int, default=32, help="query heads (for the KV-bytes figure)")
+    show.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (for the KV-bytes figure)")
+    show.add_argument("--head-dim", type=int, default=128, help="head dimension (for the KV-bytes figure)")
+    show.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    show.add_argument("--dtype", default="float16", help="KV cache dtype (for the KV-bytes figure)")
     show.set_defaults(func=show_trace)
 
 
@@ -44,7 +43,7 @@ def _load(args: argparse.Namespace) -> Trace:
     return trace if transform == Transform() else apply_transform(trace, transform)
 
 
-def summarize(trace: Trace, shape: Shape, max_active: int) -> str:
+def summarize(trace: Trace, shape, max_active: int) -> str:
     q = (0, 50, 90, 99, 100)
     lines = [f"trace        {trace.name}  ({trace.meta.get('source')}, sha256 {trace.checksum()[:16]})",
              f"requests     {len(trace)}"]
@@ -63,6 +62,8 @@ def summarize(trace: Trace, shape: Shape, max_active: int) -> str:
 
 
 def show_trace(args: argparse.Namespace) -> int:
+    from pkv.shape import Shape
+
     shape = Shape(args.num_qo_heads, args.num_kv_heads, args.head_dim, args.page_size, args.dtype)
     print(summarize(_load(args), shape, args.max_active))
     return 0

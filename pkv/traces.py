@@ -3,6 +3,22 @@
 A trace is three integer arrays (arrival_step, prompt_len, decode_len) plus a `meta`
 dict saying where it came from and how it was transformed. Synthetic traces are pure
 functions of their spec: the same spec gives the same arrays on any machine.
+
+Limits (every trace, synthetic or loaded, is checked against them when it is built):
+a request's prompt_len + decode_len is at most MAX_LEN tokens (2^24 = 16,777,216), a
+trace has at most MAX_REQUESTS requests (2^20) and its arrival steps are at most
+MAX_ARRIVAL_STEP (2^30). So every context length fits int32 through batching (seq_lens)
+and paging (page ids are checked by pkv.paging), and the decode step index stays int32.
+
+Request files: CSV, JSON (a list, or {"requests": [...]}) or JSONL, UTF-8. A value is an
+integer only as its text is one ("12", not "12.0", "1e3", "1_000" or true), in CSV and
+JSON alike. A column (CSV header) or key (JSON object) given twice is refused. Every
+error names the file, the line (CSV, JSONL; the item for JSON) and the field.
+
+Azure timestamps: rows need not be in time order. A request's arrival step is
+floor((TIMESTAMP - earliest TIMESTAMP) / step_ms), so the earliest request arrives at
+step 0 wherever it is in the file; requests that arrive at the same step are admitted
+in file order (continuous batching sorts by arrival step, stably).
 """
 
 from __future__ import annotations
@@ -10,6 +26,7 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
@@ -20,6 +37,10 @@ FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf")
 BUCKETS = (8192, 16384, 32768, 65536)
 NATIVE_COLUMNS = ("prompt_len", "decode_len")
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MAX_LEN = 1 << 24            # tokens per request, prompt + decode
+MAX_REQUESTS = 1 << 20       # requests per trace
+MAX_ARRIVAL_STEP = 1 << 30   # latest arrival step
+INTEGER = re.compile(r"^[+-]?[0-9]+$")
 
 
 @dataclass(frozen=True)
@@ -38,6 +59,18 @@ class Trace:
             raise ValueError(f"trace {self.name!r} has no requests")
         if self.prompt_len.min() < 1 or self.decode_len.min() < 1 or self.arrival_step.min() < 0:
             raise ValueError(f"trace {self.name!r} has a non-positive length or a negative arrival step")
+        if len(self.prompt_len) > MAX_REQUESTS:
+            raise ValueError(f"trace {self.name!r} has {len(self.prompt_len)} requests, above MAX_REQUESTS {MAX_REQUESTS}")
+        # Each term is checked alone first: their sum must not wrap around int64 either.
+        total = np.maximum(self.prompt_len, self.decode_len)
+        total = np.where(total > MAX_LEN, total, self.prompt_len + self.decode_len)
+        if total.max() > MAX_LEN:
+            i = int(np.argmax(total))
+            raise ValueError(f"trace {self.name!r}: request {i} needs {int(total[i])} tokens (prompt + decode), "
+                             f"above MAX_LEN {MAX_LEN}")
+        if self.arrival_step.max() > MAX_ARRIVAL_STEP:
+            raise ValueError(f"trace {self.name!r}: arrival step {int(self.arrival_step.max())} is above "
+                             f"MAX_ARRIVAL_STEP {MAX_ARRIVAL_STEP}")
 
     def __len__(self) -> int:
         return len(self.prompt_len)
@@ -151,22 +184,30 @@ class Transform:
                 raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+class _JsonNumber(str):
+    """A JSON number that is not an integer token (100.0, 1e3, 2.5), kept as its text."""
+
+
 def _int_field(path: Path, where: str, name: str, raw) -> int:
+    """An integer by the one rule of CSV and JSON alike: its text is [+-]digits."""
     if raw is None or (isinstance(raw, str) and raw.strip() == ""):
         raise TraceFileError(f"{path}:{where}: field '{name}' is missing a value")
-    if isinstance(raw, bool) or isinstance(raw, float) and not raw.is_integer():
-        raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {raw!r}")
-    try:
-        value = int(raw) if not isinstance(raw, str) else int(raw.strip())
-    except (TypeError, ValueError):
-        raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {raw!r}") from None
-    return value
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    text = raw.strip() if isinstance(raw, str) and not isinstance(raw, _JsonNumber) else None
+    if text is None or not INTEGER.match(text):
+        shown = str(raw) if isinstance(raw, _JsonNumber) else repr(raw)
+        raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {shown}")
+    return int(text)
 
 
 def _positive(path: Path, where: str, name: str, raw) -> int:
     value = _int_field(path, where, name, raw)
     if value <= 0:
         raise TraceFileError(f"{path}:{where}: field '{name}' must be positive, got {value}")
+    if value > MAX_LEN:
+        raise TraceFileError(f"{path}:{where}: field '{name}' is {value}, above the maximum of {MAX_LEN} tokens "
+                             "a request may have (pkv.traces.MAX_LEN)")
     return value
 
 
@@ -180,14 +221,25 @@ def _timestamp_ns(path: Path, where: str, raw) -> int:
 def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
     """(column names, (location, record) pairs) of a CSV, JSON or JSONL file."""
     suffix = path.suffix.lower()
-    text = path.read_text(encoding="utf-8-sig")
+    if suffix not in (".csv", ".json", ".jsonl"):
+        raise TraceFileError(f"{path}: unknown extension {path.suffix!r}; use .csv, .json or .jsonl")
+    text = _read_text(path)
     if not text.strip():
         raise TraceFileError(f"{path}: the file is empty")
     if suffix == ".csv":
         reader = csv.DictReader(text.splitlines())
         columns = [c.strip() for c in reader.fieldnames or []]
+        seen = set()
+        for c in columns:
+            if c in seen:
+                raise TraceFileError(f"{path}:line 1: column '{c}' appears twice in the header")
+            seen.add(c)
         reader.fieldnames = columns
-        rows = [(f"line {reader.line_num}", row) for row in reader]
+        rows = []
+        for row in reader:
+            if None in row:
+                raise TraceFileError(f"{path}:line {reader.line_num}: more values than the header's {len(columns)} columns")
+            rows.append((f"line {reader.line_num}", row))
         return columns, rows
     if suffix == ".jsonl":
         rows = []
@@ -196,24 +248,54 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
                 rows.append((f"line {n}", _json_object(path, f"line {n}", line)))
     elif suffix == ".json":
         try:
-            doc = json.loads(text)
+            doc = _json_loads(text)
         except json.JSONDecodeError as e:
             raise TraceFileError(f"{path}:line {e.lineno}: not valid JSON ({e.msg})") from None
+        except _DuplicateKey as e:
+            raise TraceFileError(f"{path}: key '{e.args[0]}' appears twice in one object") from None
         items = doc.get("requests") if isinstance(doc, dict) else doc
         if not isinstance(items, list):
             raise TraceFileError(f"{path}: expected a list of requests or an object with a 'requests' list")
         rows = [(f"item {n}", _as_object(path, f"item {n}", r)) for n, r in enumerate(items)]
-    else:
-        raise TraceFileError(f"{path}: unknown extension {path.suffix!r}; use .csv, .json or .jsonl")
     columns = sorted({k for _, r in rows for k in r})
     return columns, rows
 
 
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise TraceFileError(f"{path}:line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                             "save the file as UTF-8") from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _json_loads(text: str):
+    return json.loads(text, object_pairs_hook=_unique_object, parse_float=_JsonNumber,
+                      parse_constant=_JsonNumber)
+
+
 def _json_object(path: Path, where: str, line: str) -> dict:
     try:
-        return _as_object(path, where, json.loads(line))
+        return _as_object(path, where, _json_loads(line))
     except json.JSONDecodeError as e:
         raise TraceFileError(f"{path}:{where}: not valid JSON ({e.msg})") from None
+    except _DuplicateKey as e:
+        raise TraceFileError(f"{path}:{where}: key '{e.args[0]}' appears twice in one object") from None
 
 
 def _as_object(path: Path, where: str, value) -> dict:
@@ -227,8 +309,12 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
     Azure LLM inference schema (TIMESTAMP, ContextTokens, GeneratedTokens), where
     arrival_step = floor((TIMESTAMP - first TIMESTAMP) / step_ms)."""
     path = Path(path)
-    if not path.is_file():
+    if path.is_dir():
+        raise TraceFileError(f"{path}: is a directory, not a request file")
+    if not path.exists():
         raise TraceFileError(f"{path}: no such file")
+    if not path.is_file():
+        raise TraceFileError(f"{path}: not a regular file")
     if step_ms <= 0:
         raise ValueError(f"step_ms must be > 0, got {step_ms}")
     columns, rows = _records(path)
@@ -251,15 +337,29 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
             a = 0 if a is None or a == "" else _int_field(path, where, "arrival_step", a)
             if a < 0:
                 raise TraceFileError(f"{path}:{where}: field 'arrival_step' must be >= 0, got {a}")
+            if a > MAX_ARRIVAL_STEP:
+                raise TraceFileError(f"{path}:{where}: field 'arrival_step' is {a}, above the maximum "
+                                     f"{MAX_ARRIVAL_STEP} (pkv.traces.MAX_ARRIVAL_STEP)")
             arrival.append(a)
         else:
             arrival.append(_timestamp_ns(path, where, r.get("TIMESTAMP")))
             prompt.append(_positive(path, where, "ContextTokens", r.get("ContextTokens")))
             decode.append(_positive(path, where, "GeneratedTokens", r.get("GeneratedTokens")))
+        if prompt[-1] + decode[-1] > MAX_LEN:
+            names = "prompt_len + decode_len" if schema == "native" else "ContextTokens + GeneratedTokens"
+            raise TraceFileError(f"{path}:{where}: {names} = {prompt[-1] + decode[-1]} tokens, above the maximum "
+                                 f"of {MAX_LEN} (pkv.traces.MAX_LEN)")
+    if len(rows) > MAX_REQUESTS:
+        raise TraceFileError(f"{path}: {len(rows)} requests, above the maximum of {MAX_REQUESTS} "
+                             "(pkv.traces.MAX_REQUESTS); split the file or cut it with --max-requests after loading")
     arrival = np.asarray(arrival, dtype=np.int64)
     meta = {"source": "file", "path": str(path), "schema": schema, "requests_in_file": len(rows)}
     if schema == "azure":
+        # Unsorted rows are fine: steps count from the earliest timestamp (module docstring).
         arrival = (arrival - arrival.min()) // int(step_ms * 1e6)
+        if arrival.max() > MAX_ARRIVAL_STEP:
+            raise TraceFileError(f"{path}: the timestamps span {int(arrival.max())} steps of {step_ms} ms, above the "
+                                 f"maximum of {MAX_ARRIVAL_STEP} (pkv.traces.MAX_ARRIVAL_STEP); use a longer --step-ms")
         meta["step_ms"] = step_ms
     trace = _trace(path.stem, arrival, prompt, decode, meta)
     return apply_transform(trace, transform) if transform else trace

@@ -83,7 +83,9 @@ def _dry_run_jobs(tree: Path, *args) -> list[tuple[str, dict[str, str], str]]:
 
 
 def test_paper_fan_out_on_any_machine(tree):
-    jobs = _dry_run_jobs(tree, "all", "--config", "profile=paper")
+    # run=reference: the results/ paths below on any machine (with a GPU, `run: auto` would
+    # plan a run of its own under results/runs/).
+    jobs = _dry_run_jobs(tree, "all", "--config", "profile=paper", "run=reference")
     rules = [r for r, _, _ in jobs]
     assert rules.count("calibrate_device") == 1
     serve = [w for r, w, _ in jobs if r == "serve_trace"]
@@ -100,14 +102,15 @@ def test_paper_fan_out_on_any_machine(tree):
                  and not r.startswith(("report_", "plot_"))]
     assert measuring and all("--constants results/calibration/constants.json" in s for s in measuring)
     assert {r for r in rules if r.startswith("sweep_b4")} and rules.count("sweep_b4") == len(HELDOUT)
-    assert "capture_nsight" not in rules and "parse_nsight" not in rules
+    # Nsight is part of `all` (nsight: true in config.yaml, as in the committed run).
+    assert rules.count("capture_nsight") == 1 and rules.count("parse_nsight") == 1
     # Paper outputs go to results/, never results/smoke/.
     assert not any("results/smoke" in s for _, _, s in jobs)
 
 
-def test_nsight_joins_all_only_when_enabled(tree):
-    rules = [r for r, _, _ in _dry_run_jobs(tree, "all", "--config", "profile=paper", "nsight=True")]
-    assert rules.count("capture_nsight") == 1 and rules.count("parse_nsight") == 1
+def test_nsight_leaves_all_when_disabled(tree):
+    rules = [r for r, _, _ in _dry_run_jobs(tree, "all", "--config", "profile=paper", "run=reference", "nsight=false")]
+    assert "capture_nsight" not in rules and "parse_nsight" not in rules
 
 
 # ---------------------------------------------------------------- end to end, CPU smoke
@@ -193,9 +196,12 @@ def test_failed_measurement_leaves_no_output(smoke, tmp_path):
     cfg = json.loads((root / "config.json").read_text())
     cfg["tolerance"] = {"max_abs": 1e-12, "mean_abs": 1e-12}   # every PKV engine now "fails"
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    # Constants that belong to this config (every stage refuses constants of another one).
+    constants = json.loads((root / "calibration" / "constants.json").read_text())
+    (tmp_path / "constants.json").write_text(json.dumps({**constants, "config_hash": config_hash(cfg)}))
     out = tmp_path / "raw" / "serve.parquet"
     done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "serve", "--config", str(tmp_path / "config.json"),
-                           "--constants", str(root / "calibration" / "constants.json"), "--family", "bimodal",
+                           "--constants", str(tmp_path / "constants.json"), "--family", "bimodal",
                            "--max-active", "8", "--seed", str(HELDOUT[0]), "--engine-set", "main", "--out", str(out)],
                           cwd=work, capture_output=True, text=True)
     assert done.returncode == 2
@@ -257,3 +263,28 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
     snakemake("all", "--rerun-incomplete", "--cores", "2", *args, cwd=work)
     assert all(v.exists() for v in victims)
     assert {p: p.stat().st_mtime_ns for p in stamps} == stamps
+
+
+@pytest.mark.slow
+def test_snakemake_report_embeds_every_table_and_figure_with_its_caption(smoke, tmp_path):
+    from pkv.report_spec import FIGURE_SPECS, TABLE_SPECS
+
+    work, args, *_ = smoke
+    html = tmp_path / "report.html"
+    snakemake("--report", str(html), *args, cwd=work)
+    text = html.read_text(errors="replace")
+    for path in targets(Path("results/smoke")):
+        assert path.name in text, f"{path.name} is not in the report"
+    for spec in TABLE_SPECS.values():
+        assert spec.title in text, spec.title
+    for spec in FIGURE_SPECS.values():
+        assert spec.caption.split(",")[0] in text, spec.caption
+
+
+@pytest.mark.slow
+def test_smoke_parquet_records_the_package_list(smoke):
+    work, *_ = smoke
+    f = next((work / "results" / "smoke" / "raw" / "serve").glob("*.parquet"))
+    packages = read_meta(f)["packages"].splitlines()
+    assert any(p.lower().startswith("torch==") for p in packages)
+    assert any(p.lower().startswith("pandas==") for p in packages)

@@ -65,6 +65,7 @@ def test_mixed_gpu_models_are_refused(tmp_path):
 
 
 def test_unknown_target_and_missing_stage_fail_clearly(tmp_path):
+    (tmp_path / "raw").mkdir()   # a results folder with nothing measured yet
     with pytest.raises(ValueError, match="unknown report target"):
         build_report(tmp_path, [tmp_path / "tables" / "nope.md"])
     with pytest.raises(ValueError, match="no Parquet under"):

@@ -18,7 +18,8 @@ from pkv.costmodel import (Constants, Router, baseline_cost, bucket_cost, choose
 from pkv.engines import make_engine
 from pkv.engines.common import PinnedStaging
 from pkv.harness import StepState
-from pkv.measure import Job, Timer, Tolerance, measure
+from pkv.measure import Job, Tolerance, measure
+from pkv.timing import Timer
 from pkv.measure_config import load_config, point_key, shape_of
 from pkv.measure_stages import steps_of, synthetic_trace
 from pkv.paging import assign_pages

@@ -5,8 +5,8 @@
 
 rule sweep_split_sensitivity:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/split_sensitivity/{family}-b{max_active}.parquet"),
     log:
@@ -24,8 +24,8 @@ rule sweep_split_sensitivity:
 
 rule sweep_b4:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/b4_sweep/s{seed}.parquet"),
     wildcard_constraints:
@@ -45,8 +45,8 @@ rule sweep_b4:
 
 rule sweep_gqa:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/gqa_sweep/g{group}.parquet"),
     log:
@@ -64,8 +64,8 @@ rule sweep_gqa:
 
 rule ablate_raggedness:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/raggedness/s{seed}.parquet"),
     log:
@@ -83,8 +83,8 @@ rule ablate_raggedness:
 
 rule ablate_implementation:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/implementation/s{seed}.parquet"),
     log:

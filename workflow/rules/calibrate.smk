@@ -17,7 +17,7 @@ rule freeze_config:
 
 rule calibrate_device:
     input:
-        config=rules.freeze_config.output.config,
+        config=inp(rules.freeze_config.output.config),
     output:
         constants=out("calibration/constants.json"),
         raw=out("raw/calibrate/calibration.parquet"),

@@ -3,9 +3,9 @@
 
 rule replay_external:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
-        trace=C["external"]["path"],
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
+        trace=inp(C["external"]["path"]),
     output:
         parquet=out("raw/external/azure2023.parquet"),
     log:

@@ -3,8 +3,8 @@
 
 rule measure_mlp_proxy:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/mlp_proxy/s{seed}.parquet"),
     wildcard_constraints:

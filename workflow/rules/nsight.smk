@@ -5,8 +5,8 @@
 
 rule capture_nsight:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         csv=out("raw/nsight/ncu.csv"),
         run=out("raw/nsight/ncu.run.parquet"),
@@ -24,9 +24,9 @@ rule capture_nsight:
 
 rule parse_nsight:
     input:
-        csv=rules.capture_nsight.output.csv,
-        run=rules.capture_nsight.output.run,
-        constants=rules.calibrate_device.output.constants,
+        csv=inp(rules.capture_nsight.output.csv),
+        run=inp(rules.capture_nsight.output.run),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/nsight_kernels/ncu.parquet"),
     log:

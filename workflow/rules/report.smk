@@ -1,7 +1,11 @@
 # Presentation: one rule per table (Markdown; LaTeX too for the paper's tables) and per
-# figure, each reading Parquet only and calling `pkv report --target FILE`.
+# figure, each reading Parquet only and calling `pkv report --target FILE` (no torch), and
+# each marked for `snakemake --report` with its caption. For a paper run of your own, one
+# more table: the run beside the committed reference run (`pkv compare`).
 
-for _name, _table in TABLES.items():
+CAPTION = "../report/caption.rst"   # renders the rule's `caption` param
+
+for _name, _table in TABLE_SPECS.items():
 
     rule:
         name:
@@ -9,7 +13,9 @@ for _name, _table in TABLES.items():
         input:
             table_inputs(_name),
         output:
-            md=out(f"tables/{_name}.md"),
+            md=report(out(f"tables/{_name}.md"), caption=CAPTION, category="Tables", labels={"table": _name, "format": "Markdown"}),
+        params:
+            caption=f"{_table.title}. {_table.caption}",
         localrule: True
         conda:
             "../../envs/pkv.yaml"
@@ -26,7 +32,9 @@ for _name, _table in TABLES.items():
             input:
                 table_inputs(_name),
             output:
-                tex=out(f"tables/{_name}.tex"),
+                tex=report(out(f"tables/{_name}.tex"), caption=CAPTION, category="Tables", labels={"table": _name, "format": "LaTeX"}),
+            params:
+                caption=f"{_table.title} (LaTeX). {_table.caption}",
             localrule: True
             conda:
                 "../../envs/pkv.yaml"
@@ -36,7 +44,7 @@ for _name, _table in TABLES.items():
                 "python3 -m pkv.cli report --target {output.tex} > {log} 2>&1"
 
 
-for _name in FIGURES:
+for _name, _figure in FIGURE_SPECS.items():
 
     rule:
         name:
@@ -44,7 +52,9 @@ for _name in FIGURES:
         input:
             figure_inputs(_name),
         output:
-            png=out(f"figures/{_name}.png"),
+            png=report(out(f"figures/{_name}.png"), caption=CAPTION, category="Figures", labels={"figure": _name}),
+        params:
+            caption=_figure.caption,
         localrule: True
         conda:
             "../../envs/pkv.yaml"
@@ -52,3 +62,20 @@ for _name in FIGURES:
             out(f"logs/report/{_name}.png.log"),
         shell:
             "python3 -m pkv.cli report --target {output.png} > {log} 2>&1"
+
+
+rule compare_reference:
+    input:
+        comparison_inputs(),
+        reference=ancient(f"{REFERENCE_ROOT}/config.json"),
+    output:
+        md=report(out("tables/comparison.md"), caption=CAPTION, category="Comparison", labels={"table": "comparison"}),
+    params:
+        caption=f"This run's tables beside the committed reference run's ({REFERENCE_ROOT}/), ratios side by side.",
+    localrule: True
+    conda:
+        "../../envs/pkv.yaml"
+    log:
+        out("logs/report/comparison.md.log"),
+    shell:
+        "python3 -m pkv.cli compare --reference $(dirname {input.reference}) --out {output.md} > {log} 2>&1"

@@ -3,8 +3,8 @@
 
 rule serve_trace:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/serve/{family}-b{max_active}-s{seed}-{engine_set}.parquet"),
     wildcard_constraints:
