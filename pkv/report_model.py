@@ -30,7 +30,7 @@ STAGE = "model_step"
 RATIO_BASES = ("flashinfer-graph", "reference")   # the first present is the ratio's denominator
 ENGINE_ORDER = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference")
 TITLE = "Model-level decode step: N layers, one CUDA graph per batch bucket"
-KEYS = ["model", "max_active", "trace", "family"]
+KEYS = ["model", "max_active", "family"]   # a synthetic trace is (family, seed); seeds aggregate
 
 
 def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
@@ -94,7 +94,7 @@ def _mean_sd(v: pd.Series, spec: str = ".3f") -> str:
     return f"{format(v.mean(), spec)}±{format(v.std(ddof=1), spec)}"
 
 
-def _trace_label(family: str, trace: str) -> str:
+def _trace_label(family: str) -> str:
     return "Azure conv" if family == "external" else family
 
 
@@ -108,12 +108,12 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
     base = ratio_base(frame)
     rows = []
     groups = s.groupby([*KEYS, "engine"], sort=False, observed=True)
-    order = sorted(groups.groups, key=lambda k: (k[0], k[1], k[3] == "external", k[3], k[2], _engine_rank(k[4])))
+    order = sorted(groups.groups, key=lambda k: (k[0], k[1], k[2] == "external", k[2], _engine_rank(k[3])))
     for key in order:
         g = groups.get_group(key)
-        model, max_active, trace, family, engine = key
+        model, max_active, family, engine = key
         rows.append({
-            "Model": model, "B": int(max_active), "Trace": _trace_label(family, trace), "Engine": engine,
+            "Model": model, "B": int(max_active), "Trace": _trace_label(family), "Engine": engine,
             "Route": g["route"].iloc[0] if g["route"].nunique() == 1 else "mixed",
             "Seeds": g["seed"].nunique(), "Steps": int(g["steps"].sum()),
             "Context (mean)": _num(g["mean_context"].mean(), ".0f"),
