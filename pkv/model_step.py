@@ -43,6 +43,7 @@ TOLERANCE[dtype]).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import statistics
@@ -419,6 +420,10 @@ def adaptive_point(constants, family: str, max_active: int, fallback: str) -> st
 def build_runners(names: list[str], model, cache, xs, buckets, *, constants=None, point: str = "") -> dict[str, Runner]:
     from pkv.engines import make_engine
 
+    wants = [n for n in names if n.startswith("flashinfer")]
+    if wants and importlib.util.find_spec("flashinfer") is None:
+        raise ValueError(f"engines {wants} need flashinfer (pip install -e '.[gpu]')")
+
     runners, workspace = {}, None
     for name in names:
         if name in ("flashinfer-graph", "flashinfer-eager") and workspace is None:
@@ -521,7 +526,7 @@ def measure_job(plan: Plan, model: DecoderModel, cache: PagedCache, job: TraceJo
     """Rows of COLUMNS: one per (step, engine), then one pipelined row per engine."""
     ms, s = model.shape, cache.shape
     labels = list(runners)
-    baseline = next((b for b in BASELINES if b in runners), labels[0])
+    baseline = next((b for b in BASELINES if b in runners), None)   # None: nothing to check against
     tol = TOLERANCE[s.dtype]
     buckets = [bucket_of(st.active, plan.buckets) for st in steps]
     base = {"stage": "model_step", "model": ms.name, "layers": ms.layers, "hidden": ms.hidden,
@@ -539,16 +544,15 @@ def measure_job(plan: Plan, model: DecoderModel, cache: PagedCache, job: TraceJo
             out, wall, prep, dev = clock.serial(runners[label], step, bucket)
             outs[label] = out[:step.active].clone()
             timed[label] = (wall, prep, dev, runners[label].route)
-        ref = outs[baseline]
         for label in labels:
-            rel, mx = errors(outs[label], ref)
+            rel, mx = errors(outs[label], outs[baseline]) if baseline else (math.nan, math.nan)
             wall, prep, dev, route = timed[label]
             rows.append({**base, "bucket": bucket, "engine": label, "route": route,
                          "launch": runners[label].launch_kind, "kind": "step", "step": step.step,
                          "active": step.active, "total_tokens": int(np.sum(step.seq_lens, dtype=np.int64)),
                          "max_len": int(np.max(step.seq_lens)), "steps": 1, "tokens": step.active,
                          "wall_s": wall, "prepare_s": prep, "device_s": dev, "rel_err": rel, "max_rel_err": mx,
-                         "failed": not (rel <= tol)})
+                         "failed": bool(baseline) and not (rel <= tol)})
     tokens = int(sum(st.active for st in steps))
     for label in labels[len(steps) % len(labels):] + labels[:len(steps) % len(labels)]:
         walls = [clock.pipelined(runners[label], steps, buckets) for _ in range(plan.repeats)]
@@ -570,14 +574,24 @@ def _first_steps(step_sets, buckets) -> dict[int, StepState]:
     return first
 
 
-def _warm(runners: dict[str, Runner], first: dict[int, StepState]) -> None:
-    for r in runners.values():
-        for bucket, step in sorted(first.items()):
-            r.capture(bucket, step)
+def _warm(runners: dict[str, Runner], first: dict[int, StepState], dropped: dict[str, str], log) -> None:
+    """Capture (graph runners) or warm up every runner on each bucket; a runner whose
+    capture fails is dropped (named in `dropped` and the file's metadata), the rest go on."""
+    for name in list(runners):
+        try:
+            for bucket, step in sorted(first.items()):
+                runners[name].capture(bucket, step)
+        except RuntimeError as e:
+            dropped.setdefault(name, f"{type(e).__name__}: {e}".splitlines()[0][:300])
+            log(f"model_step: engine {name} dropped, its capture or warm-up failed: {dropped[name]}")
+            runners.pop(name).close()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
 
 
-def run(plan: Plan, log=print) -> tuple[pd.DataFrame, list[str]]:
+def run(plan: Plan, log=print, dropped: dict[str, str] | None = None) -> tuple[pd.DataFrame, list[str]]:
     """Every (trace, shape, max_active) job within the time budget; returns (rows, skipped jobs).
+    Engines dropped because their capture failed are named in `dropped`.
 
     Per (trace, shape): one cache, one set of runners, one graph per bucket and graph
     engine, reused for every max_active; the adaptive runner is rebuilt per max_active
@@ -595,6 +609,7 @@ def run(plan: Plan, log=print) -> tuple[pd.DataFrame, list[str]]:
     op = cfg["external"]["operating_point"]
     fallback = point_key(op["family"], op["max_active"])
     fixed = [e for e in plan.engines if e != "adaptive"]
+    dropped = {} if dropped is None else dropped
     rows, skipped = [], []
     for job in plan.traces:
         for ms in plan.shapes:
@@ -607,7 +622,7 @@ def run(plan: Plan, log=print) -> tuple[pd.DataFrame, list[str]]:
             step_sets = {b: steps_of(job.trace, b, plan.steps) for b in plan.buckets}
             first = _first_steps(step_sets.values(), plan.buckets)
             shared = build_runners(fixed, model, cache, xs, sorted(first))
-            _warm(shared, first)
+            _warm(shared, first, dropped, log)
             for b in plan.buckets:
                 if over():
                     skipped.append(f"{ms.name}/{job.name}/B{b}")
@@ -617,8 +632,10 @@ def run(plan: Plan, log=print) -> tuple[pd.DataFrame, list[str]]:
                     point = adaptive_point(plan.constants, job.family, b, fallback)
                     runners.update(build_runners(["adaptive"], model, cache, xs, sorted(first),
                                                  constants=plan.constants, point=point))
-                    _warm({"adaptive": runners["adaptive"]}, _first_steps([step_sets[b]], plan.buckets))
-                runners = {e: runners[e] for e in plan.engines}
+                    adaptive = {"adaptive": runners.pop("adaptive")}
+                    _warm(adaptive, _first_steps([step_sets[b]], plan.buckets), dropped, log)
+                    runners.update(adaptive)
+                runners = {e: runners[e] for e in plan.engines if e in runners}
                 t0 = time.monotonic()
                 rows += measure_job(plan, model, cache, job, b, step_sets[b], runners, xs, clock)
                 log(f"model_step {ms.name} {job.name} B{b}: {len(step_sets[b])} steps x {len(runners)} engines "
@@ -726,21 +743,25 @@ def main(argv: list[str] | None = None) -> int:
         plan = build_plan(args)
         if plan.cfg["profile"] == "smoke":
             print("*** CPU smoke — not a performance result: tiny shapes, CPU engines ***", file=sys.stderr)
-        frame, skipped = run(plan, log=lambda m: print(m, file=sys.stderr))
+        engine_errors: dict[str, str] = {}
+        frame, skipped = run(plan, log=lambda m: print(m, file=sys.stderr), dropped=engine_errors)
     except (ValueError, OSError) as e:
         print(f"pkv.model_step: error: {e}", file=sys.stderr)
         return 2
     steps = frame[frame["kind"] == "step"]
     fails = steps.groupby("engine")["failed"].sum()
+    command = " ".join(["python3 -m pkv.model_step", *(argv if argv is not None else sys.argv[1:])])
     meta = {**provenance(config_hash(plan.cfg), file_hash(args.constants if plan.constants else None)),
-            "stage": "model_step", "profile": plan.cfg["profile"], "command": " ".join(["python3 -m pkv.model_step", *(argv if argv is not None else sys.argv[1:])]),
+            "stage": "model_step", "profile": plan.cfg["profile"], "command": command,
             "method": METHOD, "tolerance": json.dumps(TOLERANCE), "buckets": json.dumps(plan.buckets),
             "engines": json.dumps(plan.engines), "steps_per_job": str(plan.steps), "repeats": str(plan.repeats),
-            "skipped": json.dumps(skipped), "memory_note": "one KV cache shared by every layer (same bytes read per layer)"}
+            "skipped": json.dumps(skipped), "engine_errors": json.dumps(engine_errors),
+            "memory_note": "one KV cache shared by every layer (same bytes read per layer as a real model)"}
     write_parquet(frame, args.out, meta)
     print(f"wrote {len(frame)} rows to {args.out}; correctness failures per engine: "
           f"{', '.join(f'{e}={int(n)}' for e, n in fails.items()) or 'none checked'}"
-          + (f"; skipped past the {plan.budget_s:.0f} s budget: {', '.join(skipped)}" if skipped else ""),
+          + (f"; skipped past the {plan.budget_s:.0f} s budget: {', '.join(skipped)}" if skipped else "")
+          + (f"; engines dropped: {engine_errors}" if engine_errors else ""),
           file=sys.stderr)
     return 0
 

@@ -59,6 +59,7 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
         "device_ms": g["device_s"].median() * 1e3,
         "prepare_us": g["prepare_s"].median() * 1e6,
         "fails": g["failed"].sum(),
+        "checked": g["rel_err"].count(),
         "max_rel_err": g["rel_err"].max(),
         "route": g["route"].agg(_modal),
         "mean_context": g["total_tokens"].sum() / g["active"].sum(),
@@ -122,7 +123,7 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
             f"Wall × {base}": _mean_sd(g["wall_x"]), f"Device × {base}": _mean_sd(g["device_x"]),
             f"Pipelined × {base}": _mean_sd(g["pipelined_x"]),
             "Prepare µs": _num(g["prepare_us"].median(), ".1f"),
-            "Check fails": f"{int(g['fails'].sum())}/{int(g['steps'].sum())}",
+            "Check fails": f"{int(g['fails'].sum())}/{int(g['checked'].sum())}",
         })
     return pd.DataFrame(rows)
 
@@ -137,7 +138,7 @@ CAPTION = ("Medians per decode step of the serial pass (wall: host prepare + lau
            "to back, host preparing step t+1 while the GPU runs step t), and ratios over {base} as speed-ups "
            "(> 1 = faster; mean±std over seeds). B is the largest batch bucket served (max_active); a step of b "
            "rows runs in the smallest bucket >= b. Prepare µs is the host prepare()/plan() of one step. Check "
-           "fails: steps whose final hidden state left the tolerance against the correctness baseline's (FlashInfer "
+           "fails / checked: steps whose final hidden state left the tolerance against the correctness baseline's (FlashInfer "
            "eager; the FP32 reference on the CPU) for the same input. Every "
            "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
 
@@ -150,10 +151,22 @@ def provenance_line(metas: list[dict]) -> str:
     skipped = sorted({j for m in metas for j in _json_list(m.get("skipped", "[]"))})
     if skipped:
         parts.append(f"skipped past the time budget: {', '.join(skipped)}")
+    dropped = sorted({f"{k} ({v})" for m in metas for k, v in _json_dict(m.get("engine_errors", "{}")).items()})
+    if dropped:
+        parts.append(f"engines dropped (capture or warm-up failed): {'; '.join(dropped)}")
     commands = sorted({m.get("command", "") for m in metas} - {""})
     if commands:
         parts.append(f"command: `{'`; `'.join(commands)}`")
     return "; ".join(parts)
+
+
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        return dict(json.loads(text))
+    except ValueError:
+        return {}
 
 
 def _json_list(text: str) -> list[str]:
