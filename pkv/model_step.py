@@ -109,7 +109,7 @@ MODEL_SHAPES = {
     "smoke": ModelShape("smoke", 2, 64, 4, 2, 16, 128),                 # CPU smoke
 }
 DEFAULTS = {
-    "paper": {"shapes": "llama-1b,llama-8b", "buckets": "1,8,32", "families": f"bimodal,zipf,{EXTERNAL}",
+    "paper": {"shapes": "llama-1b,llama-8b", "buckets": "1,8,32", "families": f"bimodal,{EXTERNAL},zipf",
               "steps": 16, "engines": ",".join(GPU_ENGINES), "repeats": 2},
     "smoke": {"shapes": "smoke", "buckets": "1,4", "families": f"bimodal,{EXTERNAL}", "steps": 4,
               "engines": ",".join(CPU_ENGINES), "repeats": 1},
