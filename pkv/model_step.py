@@ -49,6 +49,7 @@ import math
 import statistics
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -581,7 +582,8 @@ def _warm(runners: dict[str, Runner], first: dict[int, StepState], dropped: dict
         try:
             for bucket, step in sorted(first.items()):
                 runners[name].capture(bucket, step)
-        except RuntimeError as e:
+        except Exception as e:  # noqa: BLE001 - a failed capture (or JIT) drops this engine only
+            traceback.print_exc(file=sys.stderr)
             dropped.setdefault(name, f"{type(e).__name__}: {e}".splitlines()[0][:300])
             log(f"model_step: engine {name} dropped, its capture or warm-up failed: {dropped[name]}")
             runners.pop(name).close()
@@ -591,62 +593,72 @@ def _warm(runners: dict[str, Runner], first: dict[int, StepState], dropped: dict
 
 def run(plan: Plan, log=print, dropped: dict[str, str] | None = None) -> tuple[pd.DataFrame, list[str]]:
     """Every (trace, shape, max_active) job within the time budget; returns (rows, skipped jobs).
-    Engines dropped because their capture failed are named in `dropped`.
 
     Per (trace, shape): one cache, one set of runners, one graph per bucket and graph
     engine, reused for every max_active; the adaptive runner is rebuilt per max_active
-    (its frozen operating point depends on it).
+    (its frozen operating point depends on it). An engine whose capture fails, or a
+    (shape, trace) whose measurement fails, is named in `dropped` with its error (the
+    traceback goes to stderr) and the rest goes on: what was measured is kept.
     """
     cfg = plan.cfg
     cuda = cfg["profile"] != "smoke"
-    device = "cuda" if cuda else "cpu"
-    page_size, dtype = cfg["shape"]["page_size"], cfg["shape"]["dtype"]
+    dtype = cfg["shape"]["dtype"]
     clock = Clock(cuda)
     start = time.monotonic()
-    over = lambda: time.monotonic() - start > plan.budget_s  # noqa: E731
-    models = {ms.name: DecoderModel(ms, Shape(dtype=dtype).torch_dtype, device, cfg["seeds"]["ablation"])
-              for ms in plan.shapes}
-    op = cfg["external"]["operating_point"]
-    fallback = point_key(op["family"], op["max_active"])
-    fixed = [e for e in plan.engines if e != "adaptive"]
+    models = {ms.name: DecoderModel(ms, Shape(dtype=dtype).torch_dtype, "cuda" if cuda else "cpu",
+                                    cfg["seeds"]["ablation"]) for ms in plan.shapes}
     dropped = {} if dropped is None else dropped
     rows, skipped = [], []
     for job in plan.traces:
         for ms in plan.shapes:
-            if over():
+            if time.monotonic() - start > plan.budget_s:
                 skipped += [f"{ms.name}/{job.name}/B{b}" for b in plan.buckets]
                 continue
-            model, shape = models[ms.name], ms.attention(page_size, dtype)
-            cache = build_cache(cfg, job.trace, shape, cfg["measure"]["holes"], job.seed)
-            xs = {b: torch.zeros(b, ms.hidden, dtype=shape.torch_dtype, device=device) for b in plan.buckets}
-            step_sets = {b: steps_of(job.trace, b, plan.steps) for b in plan.buckets}
-            first = _first_steps(step_sets.values(), plan.buckets)
-            shared = build_runners(fixed, model, cache, xs, sorted(first))
-            _warm(shared, first, dropped, log)
-            for b in plan.buckets:
-                if over():
-                    skipped.append(f"{ms.name}/{job.name}/B{b}")
-                    continue
-                runners = dict(shared)
-                if "adaptive" in plan.engines:
-                    point = adaptive_point(plan.constants, job.family, b, fallback)
-                    runners.update(build_runners(["adaptive"], model, cache, xs, sorted(first),
-                                                 constants=plan.constants, point=point))
-                    adaptive = {"adaptive": runners.pop("adaptive")}
-                    _warm(adaptive, _first_steps([step_sets[b]], plan.buckets), dropped, log)
-                    runners.update(adaptive)
-                runners = {e: runners[e] for e in plan.engines if e in runners}
-                t0 = time.monotonic()
-                rows += measure_job(plan, model, cache, job, b, step_sets[b], runners, xs, clock)
-                log(f"model_step {ms.name} {job.name} B{b}: {len(step_sets[b])} steps x {len(runners)} engines "
-                    f"in {time.monotonic() - t0:.1f} s (total {time.monotonic() - start:.0f} s)")
-            for r in shared.values():
-                r.close()
-            del shared, cache, xs
+            try:
+                _serve_trace(plan, models[ms.name], job, clock, start, rows, skipped, dropped, log)
+            except Exception as e:  # noqa: BLE001 - keep the other jobs' rows; the error goes in the metadata
+                traceback.print_exc(file=sys.stderr)
+                dropped[f"{ms.name}/{job.name}"] = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+                log(f"model_step {ms.name} {job.name}: failed, kept what was measured: {dropped[f'{ms.name}/{job.name}']}")
             if cuda:
                 torch.cuda.empty_cache()
     frame = pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)
     return frame, skipped
+
+
+def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, clock: Clock, start: float, rows: list,
+                 skipped: list, dropped: dict, log) -> None:
+    """One (trace, shape): every max_active in plan.buckets, rows appended as each job ends."""
+    cfg, ms = plan.cfg, model.shape
+    shape = ms.attention(cfg["shape"]["page_size"], cfg["shape"]["dtype"])
+    cache = build_cache(cfg, job.trace, shape, cfg["measure"]["holes"], job.seed)
+    xs = {b: torch.zeros(b, ms.hidden, dtype=shape.torch_dtype, device=cache.device) for b in plan.buckets}
+    step_sets = {b: steps_of(job.trace, b, plan.steps) for b in plan.buckets}
+    first = _first_steps(step_sets.values(), plan.buckets)
+    op = cfg["external"]["operating_point"]
+    fallback = point_key(op["family"], op["max_active"])
+    shared = build_runners([e for e in plan.engines if e != "adaptive"], model, cache, xs, sorted(first))
+    try:
+        _warm(shared, first, dropped, log)
+        for b in plan.buckets:
+            if time.monotonic() - start > plan.budget_s:
+                skipped.append(f"{ms.name}/{job.name}/B{b}")
+                continue
+            runners = dict(shared)
+            if "adaptive" in plan.engines:
+                point = adaptive_point(plan.constants, job.family, b, fallback)
+                adaptive = build_runners(["adaptive"], model, cache, xs, sorted(first), constants=plan.constants,
+                                         point=point)
+                _warm(adaptive, _first_steps([step_sets[b]], plan.buckets), dropped, log)
+                runners.update(adaptive)
+            runners = {e: runners[e] for e in plan.engines if e in runners}
+            t0 = time.monotonic()
+            rows += measure_job(plan, model, cache, job, b, step_sets[b], runners, xs, clock)
+            log(f"model_step {ms.name} {job.name} B{b}: {len(step_sets[b])} steps x {len(runners)} engines "
+                f"in {time.monotonic() - t0:.1f} s (total {time.monotonic() - start:.0f} s)")
+    finally:
+        for r in shared.values():
+            r.close()
 
 
 # ---------------------------------------------------------------- command line

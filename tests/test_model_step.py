@@ -120,6 +120,29 @@ def test_budget_skips_jobs_and_names_them():
     assert frame.empty and skipped == ["smoke/bimodal-20260623/B1", "smoke/bimodal-20260623/B4"]
 
 
+def test_failures_drop_an_engine_or_a_job_and_keep_the_rest(monkeypatch):
+    def broken_capture(self, bucket, step):
+        raise RuntimeError("capture failed\nsecond line")
+
+    monkeypatch.setattr(ms.PkvGraphRunner, "capture", broken_capture)
+    args = ms.build_parser().parse_args(["--smoke", "--out", "unused", "--families", "bimodal,azure", "--buckets", "2",
+                                         "--steps", "1"])
+    plan = ms.build_plan(args)
+    real = ms.measure_job
+
+    def measure_job(plan, model, cache, job, *rest):
+        if job.family == "external":
+            raise ValueError("measurement failed")
+        return real(plan, model, cache, job, *rest)
+
+    monkeypatch.setattr(ms, "measure_job", measure_job)
+    dropped = {}
+    frame, skipped = ms.run(plan, log=lambda m: None, dropped=dropped)
+    assert set(frame["engine"]) == {"reference"} and set(frame["family"]) == {"bimodal"}
+    assert dropped == {"pkv-graph": "RuntimeError: capture failed",
+                       "smoke/azure-AzureLLMInferenceTrace_conv": "ValueError: measurement failed"}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--shapes", "nope"], "unknown model shape"),
     (["--engines", "flashinfer-graph"], "runs engines from"),
