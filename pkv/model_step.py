@@ -315,7 +315,12 @@ class PkvGraphRunner(GraphRunner):
 class FlashInferStaging:
     """Pinned host buffers for indptr / last_page_len / indices and a device copy of the
     indices, two of each, so that plan()'s copies are asynchronous (FlashInfer copies host
-    indices synchronously) and step t+1 never overwrites what step t's copies still read."""
+    indices synchronously).
+
+    load() for step t + 1 waits until step t's plan() copies have run: plan() also stages
+    its schedule through one pinned buffer of its own, which the next plan() overwrites.
+    So the host prepares step t + 1 while the GPU runs step t, never further ahead.
+    """
 
     def __init__(self, device, max_rows: int, max_pages: int):
         n = 2 * max_rows + 1 + max_pages
@@ -326,7 +331,7 @@ class FlashInferStaging:
 
     def load(self, view: FlashInferView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         k = self.turn
-        self.done[k].synchronize()
+        self.done[k ^ 1].synchronize()   # the previous plan's copies (and so every earlier one) ran
         b, n = len(view.last_page_len), len(view.indices)
         buf = self.host[k]
         a = buf.numpy()
@@ -425,11 +430,11 @@ def build_runners(names: list[str], model, cache, xs, buckets, *, constants=None
     if wants and importlib.util.find_spec("flashinfer") is None:
         raise ValueError(f"engines {wants} need flashinfer (pip install -e '.[gpu]')")
 
-    runners, workspace = {}, None
+    runners = {}
     for name in names:
-        if name in ("flashinfer-graph", "flashinfer-eager") and workspace is None:
-            # One float workspace shared by every FlashInfer wrapper (they never run concurrently).
-            workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=cache.device)
+        # FlashInfer's recommended 128 MB float workspace, zeroed, one per runner (the graph
+        # runner's per-bucket wrappers share it: they never run concurrently).
+        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=cache.device) if name in wants else None
         if name == "pkv-graph":
             runners[name] = PkvGraphRunner(model, cache, xs, buckets)
         elif name == "flashinfer-graph":
