@@ -11,8 +11,10 @@ identical (same lengths, same pages, same shape) while holding one layer's K/V i
 of N. Not modelled, and the same for every engine: writing the new token's K/V into the
 cache, rotary embedding, embedding lookup, LM head and sampling.
 
-A step of B rows runs in the smallest batch bucket >= B (`bucket_of`), as serving
-engines pad to their graph capture sizes. Engines, all over the same weights and cache:
+Each trace is served by pkv.harness continuous batching at max_active = each bucket;
+`steps` decode steps evenly spaced over the whole served trace are measured
+(`spread_steps`). A step of B rows runs in the smallest batch bucket >= B (`bucket_of`),
+as serving engines pad to their graph capture sizes. Engines, all over the same weights and cache:
 
 - `pkv-graph`: the whole N-layer step captured once per bucket in one CUDA graph;
   every step does one `prepare(step, rows=bucket)` (one small H2D copy of lengths and
@@ -136,6 +138,15 @@ def bucket_of(active: int, buckets) -> int:
     if active < 1 or not fits:
         raise ValueError(f"a step of {active} rows fits none of the batch buckets {sorted(buckets)}")
     return fits[0]
+
+
+def spread_steps(trace: Trace, max_active: int, count: int) -> list[StepState]:
+    """`count` steps evenly spaced over the whole served trace (ramp-up, steady state and
+    drain; the first and the last step included), from pkv.harness continuous batching."""
+    steps = steps_of(trace, max_active, None)
+    if count >= len(steps):
+        return steps
+    return [steps[i] for i in np.unique(np.linspace(0, len(steps) - 1, count).round().astype(int))]
 
 
 def padded_flashinfer_view(assignment: PageAssignment, step: StepState, rows: int, pad_page: int = 0) -> FlashInferView:
@@ -562,7 +573,7 @@ def measure_job(plan: Plan, model: DecoderModel, cache: PagedCache, job: TraceJo
     tokens = int(sum(st.active for st in steps))
     for label in labels[len(steps) % len(labels):] + labels[:len(steps) % len(labels)]:
         walls = [clock.pipelined(runners[label], steps, buckets) for _ in range(plan.repeats)]
-        rows.append({**base, "bucket": max(buckets), "engine": label, "route": runners[label].route,
+        rows.append({**base, "bucket": bucket_of(max_active, plan.buckets), "engine": label, "route": runners[label].route,
                      "launch": runners[label].launch_kind, "kind": "pipelined", "step": -1,
                      "active": round(tokens / len(steps)), "total_tokens": int(sum(int(np.sum(st.seq_lens)) for st in steps)),
                      "max_len": int(max(int(np.max(st.seq_lens)) for st in steps)), "steps": len(steps),
@@ -638,7 +649,7 @@ def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, clock: Clock, s
     shape = ms.attention(cfg["shape"]["page_size"], cfg["shape"]["dtype"])
     cache = build_cache(cfg, job.trace, shape, cfg["measure"]["holes"], job.seed)
     xs = {b: torch.zeros(b, ms.hidden, dtype=shape.torch_dtype, device=cache.device) for b in plan.buckets}
-    step_sets = {b: steps_of(job.trace, b, plan.steps) for b in plan.buckets}
+    step_sets = {b: spread_steps(job.trace, b, plan.steps) for b in plan.buckets}
     first = _first_steps(step_sets.values(), plan.buckets)
     op = cfg["external"]["operating_point"]
     fallback = point_key(op["family"], op["max_active"])
@@ -739,7 +750,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--buckets", help="padded batch buckets (also the max_active values served)")
     p.add_argument("--families", help=f"trace families, and '{EXTERNAL}' for the configured request file")
     p.add_argument("--seeds", help="held-out seeds of the synthetic traces (default: the first)")
-    p.add_argument("--steps", type=int, help="decode steps per (trace, max_active)")
+    p.add_argument("--steps", type=int, help="decode steps per (trace, max_active), evenly spaced over the trace")
     p.add_argument("--engines", help=f"engines (GPU: {', '.join(GPU_ENGINES)}; CPU: {', '.join(CPU_ENGINES)})")
     p.add_argument("--repeats", type=int, help="pipelined passes per engine (median kept)")
     p.add_argument("--budget-s", type=float, default=170.0,

@@ -3,8 +3,9 @@
     python -m pkv.report_model --target results/tables/model_step.md --target results/figures/model_step.png
 
 reads RESULTS_DIR/raw/model_step/*.parquet (RESULTS_DIR: two levels above the first
-target, or given). Per model shape x max_active (the largest batch bucket served) x
-trace x engine: median serial wall and device time per step, pipelined throughput, the
+target, or given). Per model shape x batch bucket x trace x engine: median serial wall and
+device time of the steps that ran in that bucket (pooled over the max_active jobs), the
+pipelined throughput of the job served at max_active = bucket, the
 ratios over FlashInfer's CUDA-graph path (speed-ups: > 1 is faster), pkv-graph's
 prepare() host time, and correctness failures. Over several seeds, a ratio is mean±std
 of the per-seed ratios. `t_model_step(raw)` and `plot_model_step(frame, smoke, path)`
@@ -30,7 +31,7 @@ STAGE = "model_step"
 RATIO_BASES = ("flashinfer-graph", "reference")   # the first present is the ratio's denominator
 ENGINE_ORDER = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference")
 TITLE = "Model-level decode step: N layers, one CUDA graph per batch bucket"
-KEYS = ["model", "max_active", "family"]   # a synthetic trace is (family, seed); seeds aggregate
+KEYS = ["model", "bucket", "family"]   # a synthetic trace is (family, seed); seeds aggregate
 
 
 def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
@@ -104,7 +105,7 @@ def _engine_rank(engine: str) -> int:
 
 
 def table(frame: pd.DataFrame) -> pd.DataFrame:
-    """The formatted table: one row per model x max_active x trace x engine."""
+    """The formatted table: one row per model x bucket x trace x engine."""
     s = per_seed(frame)
     base = ratio_base(frame)
     rows = []
@@ -112,9 +113,9 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
     order = sorted(groups.groups, key=lambda k: (k[0], k[1], k[2] == "external", k[2], _engine_rank(k[3])))
     for key in order:
         g = groups.get_group(key)
-        model, max_active, family, engine = key
+        model, bucket, family, engine = key
         rows.append({
-            "Model": model, "B": int(max_active), "Trace": _trace_label(family), "Engine": engine,
+            "Model": model, "Bucket": int(bucket), "Trace": _trace_label(family), "Engine": engine,
             "Route": g["route"].iloc[0] if g["route"].nunique() == 1 else "mixed",
             "Seeds": g["seed"].nunique(), "Steps": int(g["steps"].sum()),
             "Context (mean)": _num(g["mean_context"].mean(), ".0f"),
@@ -133,15 +134,16 @@ def t_model_step(raw) -> pd.DataFrame:
     return table(raw.frame)
 
 
-CAPTION = ("Medians per decode step of the serial pass (wall: host prepare + launch + synchronize; device: "
-           "CUDA events around the graph replay, or around the eager layers), pipelined tok/s (all steps back "
-           "to back, host preparing step t+1 while the GPU runs step t), and ratios over FlashInfer's CUDA-graph "
-           "path (flashinfer-graph; the FP32 reference on the CPU) as speed-ups (> 1 = faster; mean±std over "
-           "seeds). B is the largest batch bucket served (max_active); a step of b rows runs in the smallest "
-           "bucket >= b. Prepare µs is the host prepare()/plan() of one step. Check fails / checked: steps whose "
-           "final hidden state left the tolerance against the correctness baseline's (FlashInfer eager; the FP32 "
-           "reference on the CPU) for the same input. Every layer reads the same KV cache (one cache's bytes, the "
-           "same bytes per layer as a real model).")
+CAPTION = ("Each trace is served at max_active = 1, 8 and 32 (continuous batching), and decode steps evenly "
+           "spaced over it are measured; a step of b rows runs in the smallest bucket >= b (padded). Per bucket: "
+           "medians over the steps that ran in it (serial pass; wall: host prepare + launch + synchronize; "
+           "device: CUDA events around the graph replay, or around the eager layers); pipelined tok/s: the job "
+           "served at max_active = bucket, all its steps back to back (the host prepares step t+1 while the GPU "
+           "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph; the FP32 reference on the "
+           "CPU) as speed-ups (> 1 = faster; mean±std over seeds). Prepare µs: the host prepare()/plan() of one "
+           "step. Check fails / checked: steps whose final hidden state left the tolerance against the "
+           "correctness baseline's (FlashInfer eager; the FP32 reference on the CPU) for the same input. Every "
+           "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
 
 
 def provenance_line(metas: list[dict]) -> str:
@@ -198,7 +200,7 @@ def plot_model_step(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
     models = sorted(steps["model"].unique())
     engines = sorted(steps["engine"].unique(), key=_engine_rank)
     colors = {e: plt.get_cmap("tab10")(i) for i, e in enumerate(ENGINE_ORDER)}
-    markers = dict(zip(sorted(steps["max_active"].unique()), "os^Dv<>"))
+    markers = dict(zip(sorted(steps["bucket"].unique()), "os^Dv<>"))
     fig, axes = plt.subplots(2, len(models), figsize=(5.2 * len(models), 7), squeeze=False, sharex="col")
     for c, model in enumerate(models):
         m = steps[steps["model"] == model]
@@ -207,7 +209,7 @@ def plot_model_step(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
             for engine in engines:
                 e = m[m["engine"] == engine]
                 for b, mk in markers.items():
-                    eb = e[e["max_active"] == b].sort_values("total_tokens")
+                    eb = e[e["bucket"] == b].sort_values("total_tokens")
                     if eb.empty or eb[col].isna().all():
                         continue
                     ax.scatter(eb["total_tokens"], eb[col] * 1e3, s=14, marker=mk, alpha=0.7,

@@ -8,6 +8,7 @@ the report's arithmetic are checked on their own.
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -50,6 +51,18 @@ def test_padded_flashinfer_view():
         ms.padded_flashinfer_view(assignment, step, 2)
 
 
+def test_spread_steps_cover_the_whole_trace():
+    from pkv.harness import decode_steps
+    from pkv.traces import SyntheticSpec, synthetic
+
+    trace = synthetic(SyntheticSpec("bimodal", 3, num_requests=6, decode_min=4, decode_max=9, scale=1 / 64))
+    every = list(decode_steps(trace, 4))
+    picked = ms.spread_steps(trace, 4, 5)
+    assert [s.step for s in picked] == [every[i].step for i in np.linspace(0, len(every) - 1, 5).round().astype(int)]
+    assert picked[0].step == every[0].step and picked[-1].step == every[-1].step
+    assert [s.step for s in ms.spread_steps(trace, 4, 10_000)] == [s.step for s in every]
+
+
 def test_model_shapes():
     assert ms.MODEL_SHAPES["llama-1b"] == ms.ModelShape("llama-1b", 16, 2048, 32, 8, 64, 8192)
     assert ms.MODEL_SHAPES["llama-8b"] == ms.ModelShape("llama-8b", 32, 4096, 32, 8, 128, 14336)
@@ -87,19 +100,21 @@ def test_smoke_end_to_end(tmp_path):
     md, png = tmp_path / "tables" / "model_step.md", tmp_path / "figures" / "model_step.png"
     assert rm.main(["--target", str(md), "--target", str(png)]) == 0
     text = md.read_text()
-    assert "CPU smoke — not a performance result" in text and "| smoke " in text and "0/4" in text
+    assert "CPU smoke — not a performance result" in text and "| smoke " in text
+    assert re.search(r"\| 0/\d+ +\|", text) and not re.search(r"\| [1-9]\d*/\d+ +\|", text)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_padded_steps_match_the_reference():
-    """Steps of 4 rows run in bucket 8: pkv-graph (padded, its CPU oracle) equals the reference."""
+    """Steps of 2-4 rows run in bucket 8: pkv-graph (padded, its CPU oracle) equals the reference."""
     args = ms.build_parser().parse_args(["--smoke", "--out", "unused", "--families", "homogeneous",
                                          "--buckets", "1,8", "--steps", "2"])
     plan = ms.build_plan(args)
     frame, skipped = ms.run(plan, log=lambda m: None)
     assert skipped == []
     steps = frame[(frame["kind"] == "step") & (frame["max_active"] == 8)]
-    assert set(steps["bucket"]) == {8} and set(steps["active"]) == {4}
+    padded = steps[steps["bucket"] == 8]
+    assert len(padded) and (padded["active"] < 8).all() and 4 in set(padded["active"])
     assert not steps["failed"].any() and (steps["rel_err"] < 1e-3).all()
 
 
