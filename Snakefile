@@ -26,6 +26,7 @@ include: "workflow/rules/external.smk"
 include: "workflow/rules/nsight.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/kernels.smk"
+include: "workflow/rules/model.smk"
 
 
 rule all:

@@ -63,6 +63,13 @@ def synthetic_trace(cfg: dict, family: str, seed: int, **overrides) -> Trace:
     return synthetic(SyntheticSpec(family, seed, **{**cfg["traces"][family], **overrides}))
 
 
+def external_trace(cfg: dict, path: str | Path) -> Trace:
+    """The request file loaded with the config's step length and recorded transform."""
+    c = cfg["external"]
+    return load_trace(path, step_ms=c["step_ms"],
+                      transform=Transform(c["prompt_scale"], max_len=c["max_len"], max_requests=c["max_requests"]))
+
+
 def build_cache(cfg: dict, trace: Trace, shape: Shape, holes: float, seed: int) -> PagedCache:
     assignment = assign_pages(trace.total_len, shape.page_size, holes, seed)
     return PagedCache.random(shape, assignment, device_of(cfg), seed)
@@ -214,8 +221,7 @@ def mlp_proxy(cfg: dict, k: Constants, seed: int) -> Result:
 def external(cfg: dict, k: Constants, path: Path) -> Result:
     """The Azure trace through the file-based trace path, with its transform recorded."""
     c = cfg["external"]
-    trace = load_trace(path, step_ms=c["step_ms"],
-                       transform=Transform(c["prompt_scale"], max_len=c["max_len"], max_requests=c["max_requests"]))
+    trace = external_trace(cfg, path)
     shape = shape_of(cfg)
     seed = cfg["seeds"]["ablation"]
     job = Job("external", trace.name, "external", c["max_active"], seed, shape.group)

@@ -94,12 +94,14 @@ def test_paper_fan_out_on_any_machine(tree):
     assert {(w["family"], w["max_active"]) for w in serve} == points
     assert len(serve) == len(points) * len(HELDOUT) * len(CONFIG["engine_sets"])
     # No held-out seed feeds calibration: it reads only the frozen config and runs the
-    # calibration seed; every measuring job reads the frozen constants.
+    # calibration seed; every measuring job reads the frozen constants (but the kernel
+    # benchmark, which routes nothing: it times fixed engines on fixed shapes).
     cal = next(s for r, _, s in jobs if r == "calibrate_device")
     assert "--config results/config.json" in cal and not any(str(s) in cal for s in HELDOUT)
     assert CALIBRATION not in HELDOUT
-    measuring = [s for r, _, s in jobs if r not in ("calibrate_device", "freeze_config", "all")
+    measuring = [s for r, _, s in jobs if r not in ("calibrate_device", "freeze_config", "all", "bench_kernels")
                  and not r.startswith(("report_", "plot_"))]
+    assert rules.count("bench_kernels") == 1
     assert measuring and all("--constants results/calibration/constants.json" in s for s in measuring)
     assert {r for r in rules if r.startswith("sweep_b4")} and rules.count("sweep_b4") == len(HELDOUT)
     # Nsight is part of `all` (nsight: true in config.yaml, as in the committed run).

@@ -86,6 +86,11 @@ def serve_outputs():
     ]
 
 
+def model_step_outputs():
+    """The model step's Parquet files (workflow/rules/model.smk): one per held-out seed, one for the external trace."""
+    return expand(rules.model_step.output.parquet, seed=HELDOUT) + [rules.model_step_external.output.parquet]
+
+
 def stage_outputs(stage):
     """The Parquet (or capture) files of one raw stage, as the report reads them."""
     a = C["ablations"]
@@ -107,6 +112,8 @@ def stage_outputs(stage):
         return expand(rules.measure_mlp_proxy.output.parquet, seed=HELDOUT)
     if stage == "external":
         return [rules.replay_external.output.parquet]
+    if stage == "model_step":
+        return model_step_outputs()
     if stage == "nsight_kernels":
         return list(rules.parse_nsight.output) if C["nsight"] else []
     raise ValueError(f"unknown stage {stage!r}")
