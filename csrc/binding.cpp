@@ -31,11 +31,12 @@ void check_cuda(const at::Tensor& t, const char* name) {
 }
 
 void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& meta,
-            const at::Tensor& out, const at::Tensor& partial, const at::Tensor& counters, c10::IntArrayRef offs,
-            c10::IntArrayRef dims) {
+            const at::Tensor& out, const at::Tensor& partial, const at::Tensor& counters, int64_t seq_lens_off,
+            int64_t req_ids_off, int64_t rows_off, int64_t tasks_off, int64_t seg_off, int64_t num_rows,
+            int64_t splits, int64_t num_slots, int64_t bound_len, int64_t group, int64_t page_shift, bool qo_indexed,
+            bool early_exit, int64_t mode) {
   check_cuda(q, "q"); check_cuda(kv, "kv"); check_cuda(block_table, "block_table"); check_cuda(meta, "meta");
   check_cuda(out, "out");
-  TORCH_CHECK(offs.size() == 5 && dims.size() == 9, "pkv.decode: offs[5], dims[9] expected");
   TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(), "pkv: dtype mismatch");
   TORCH_CHECK(meta.scalar_type() == at::kInt && block_table.scalar_type() == at::kInt, "pkv: int32 metadata expected");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && q.dim() == 3, "pkv: kv[pages,2,Hkv,P,D] and q[B,Hq,D] expected");
@@ -48,23 +49,24 @@ void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_t
   p.kv = kv.data_ptr();
   p.block_table = block_table.data_ptr<int>();
   p.bt_stride = block_table.size(1);
-  p.seq_lens = meta_ptr(meta, offs[0]);
-  p.req_ids = meta_ptr(meta, offs[1]);
-  p.rows = meta_ptr(meta, offs[2]);
-  p.tasks = meta_ptr(meta, offs[3]);
-  p.seg_offsets = meta_ptr(meta, offs[4]);
+  p.seq_lens = meta_ptr(meta, seq_lens_off);
+  p.req_ids = meta_ptr(meta, req_ids_off);
+  p.rows = meta_ptr(meta, rows_off);
+  p.tasks = meta_ptr(meta, tasks_off);
+  p.seg_offsets = meta_ptr(meta, seg_off);
   p.partial = partial.numel() ? partial.data_ptr<float>() : nullptr;
   p.counters = counters.numel() ? counters.data_ptr<int>() : nullptr;
-  p.num_rows = static_cast<int>(dims[0]);
-  p.splits = static_cast<int>(dims[1]);
-  p.num_slots = static_cast<int>(dims[2]);
-  p.bound_len = static_cast<int>(dims[3]);
+  TORCH_CHECK(mode >= 0 && mode <= static_cast<int64_t>(pkv::OutMode::kCluster), "pkv.decode: unknown mode ", mode);
+  p.num_rows = static_cast<int>(num_rows);
+  p.splits = static_cast<int>(splits);
+  p.num_slots = static_cast<int>(num_slots);
+  p.bound_len = static_cast<int>(bound_len);
   p.num_kv_heads = static_cast<int>(kv.size(2));
-  p.group = static_cast<int>(dims[4]);
-  p.page_shift = static_cast<int>(dims[5]);
-  p.qo_indexed = static_cast<int>(dims[6]);
-  p.early_exit = static_cast<int>(dims[7]);
-  p.mode = static_cast<pkv::OutMode>(dims[8]);
+  p.group = static_cast<int>(group);
+  p.page_shift = static_cast<int>(page_shift);
+  p.qo_indexed = qo_indexed ? 1 : 0;
+  p.early_exit = early_exit ? 1 : 0;
+  p.mode = static_cast<pkv::OutMode>(mode);
   p.scale_log2 = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(head_dim)));
   TORCH_CHECK(p.seq_lens && p.req_ids && (p.rows || p.tasks), "pkv.decode: missing metadata");
   TORCH_CHECK(p.mode == pkv::OutMode::kDirect || p.mode == pkv::OutMode::kCluster || p.partial,
@@ -155,7 +157,9 @@ void read_probe(const at::Tensor& src, const at::Tensor& sink, int64_t blocks) {
 
 TORCH_LIBRARY(pkv, m) {
   m.def("decode(Tensor q, Tensor kv, Tensor block_table, Tensor meta, Tensor(a!) out, Tensor(b!) partial, "
-        "Tensor(c!) counters, int[] offs, int[] dims) -> ()");
+        "Tensor(c!) counters, int seq_lens_off, int req_ids_off, int rows_off, int tasks_off, int seg_off, "
+        "int num_rows, int splits, int num_slots, int bound_len, int group, int page_shift, bool qo_indexed, "
+        "bool early_exit, int mode) -> ()");
   m.def("merge(Tensor partial, Tensor meta, Tensor(a!) out, int seg_off, int rows_off, int num_rows, "
         "int num_kv_heads, int num_slots, int group, int qo_indexed) -> ()");
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");

@@ -1,4 +1,4 @@
-"""`pkv bench kernels`: isolated decode-attention timings against the GPU's read roofline.
+"""`pkv bench splits`: the v3 (host-planned) kernels' isolated timings against the read roofline.
 
 One run measures the read roofline (a sum over a multi-GB tensor), then, for each case
 and engine, device time by CUDA-graph replay and by CUDA events (medians after warm-up),
@@ -9,6 +9,7 @@ count per case is the best of a small sweep (by graph replay), recorded in the r
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import statistics
@@ -252,13 +253,17 @@ def run_kernels(args) -> int:
 
 def add_commands(sub) -> None:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
-    p = bench.add_parser("kernels", help="isolated kernel timings vs the read roofline (needs a GPU)")
-    p.add_argument("--engines", default=",".join(PKV_ENGINES + BASELINES))
+    from pkv import kernel_sweep   # pkv bench kernels: v4 against FlashInfer over the serving range
+
+    kernel_sweep.add_command(bench)
+    p = bench.add_parser("splits", help="v3 host-planned schedules at their best split per case (needs a GPU)",
+                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--engines", default=",".join(PKV_ENGINES + BASELINES), help="engines to time")
     p.add_argument("--cases", default="", help="comma-separated case indices (default: all)")
     p.add_argument("--splits", default=",".join(map(str, SPLIT_CANDIDATES)), help="split counts swept per case")
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--out", default="results/raw/kernels/kernels.parquet")
-    p.add_argument("--table", default="results/tables/kernels.md")
+    p.add_argument("--reps", type=int, default=30, help="timed repetitions per engine and case")
+    p.add_argument("--out", default="results/raw/kernels/v3-kernels.parquet", help="Parquet file to write")
+    p.add_argument("--table", default="results/tables/kernels-v3.md", help="Markdown table to write")
     p.set_defaults(func=run_kernels)
     from pkv import bench_host   # pkv bench host: the host path per engine and batch
 

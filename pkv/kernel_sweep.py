@@ -1,4 +1,4 @@
-"""`pkv bench sweep`: device time of PersistentKV v4 (`pkv-graph`) against FlashInfer over the serving range.
+"""`pkv bench kernels`: device time of PersistentKV v4 (`pkv-graph`) against FlashInfer over the serving range.
 
 Cases: homogeneous batch x context grids, ragged mixes, and GQA group x head_dim points.
 For each case and engine: device µs per call by CUDA-graph replay (one graph runs every KV
@@ -175,35 +175,45 @@ def with_ratios(frame):
     return frame
 
 
-def main(argv=None) -> int:
+def add_arguments(ap) -> None:
+    ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
+    ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
+    ap.add_argument("--engines", default="pkv-graph," + ",".join(FLASHINFER),
+                    help="engines; name[key=value;...] sets options, e.g. pkv-graph[min_tiles=4]")
+    ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
+    ap.add_argument("--seed", type=int, default=20260622, help="seed of the KV bytes, queries and ragged lengths")
+    ap.add_argument("--out", default="results/raw/kernels/sweep.parquet", help="Parquet file to write")
+
+
+def add_command(bench) -> None:
+    p = bench.add_parser("kernels", help="pkv-graph against FlashInfer's decode variants, device time (needs a GPU)",
+                         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=lambda args: run(args, "pkv bench kernels " + " ".join(sys.argv[3:])))
+
+
+def run(args, command: str) -> int:
     import pandas as pd
 
     from pkv import io
     from pkv.bench import read_roofline
 
-    ap = argparse.ArgumentParser(prog="pkv bench sweep", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
-    ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
-    ap.add_argument("--engines", default="pkv-graph," + ",".join(FLASHINFER),
-                    help="engines; name[key=value;...] sets options, e.g. pkv-graph[min_tiles=4]")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--seed", type=int, default=20260622)
-    ap.add_argument("--out", required=True, help="Parquet file to write")
-    args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise ValueError("pkv bench sweep needs a CUDA device")
+        raise ValueError("pkv bench kernels needs a CUDA device")
     engines = []
     for spec in args.engines.split(","):
         name, _, opts = spec.partition("[")
         options = {k: int(v) for k, v in (kv.split("=") for kv in opts.rstrip("]").split(";") if kv)}
         engines.append((name, options))
+    unknown = [s for s in args.suites.split(",") if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; choose from {sorted(SUITES)}")
     cases = quick() if args.quick else [c for s in args.suites.split(",") for c in SUITES[s]()]
     probes = read_roofline()
     roofline = probes["roofline"]
     print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
     meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
-            "command": "pkv bench sweep " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": command}
     rows, t0 = [], time.time()
     for case in cases:
         print(f"{case.name}: {case.bytes / 1e6:.1f} MB", flush=True)
@@ -216,6 +226,14 @@ def main(argv=None) -> int:
     show = frame[frame.engine.str.startswith("pkv")][["case", "engine", "graph_us", "frac_of_roofline", "ratio"]]
     print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pkv.kernel_sweep", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return run(args, "python -m pkv.kernel_sweep " + " ".join(argv if argv is not None else sys.argv[1:]))
 
 
 if __name__ == "__main__":

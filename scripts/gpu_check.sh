@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: build the kernels, run the GPU tests, run the kernel benchmark.
-# Usage (from the repo root): scripts/gpu_check.sh [build|test|bench|all] [extra args for pkv bench kernels]
+# Usage (from the repo root): scripts/gpu_check.sh [build|test|bench|all] [extra args for pkv bench splits]
 # Logs and results go to $OUT (or ./gpu_check_out) as one tarball plus the bench table.
 set -uo pipefail
 stage=${1:-all}; shift || true
@@ -23,9 +23,9 @@ fi
 
 if [[ $stage == bench || $stage == all ]]; then
   t0=$(date +%s)
-  timeout 300 python3 -m pkv.cli bench kernels "$@" 2>&1 | tee "$out/logs/bench.log"
+  timeout 300 python3 -m pkv.cli bench splits "$@" 2>&1 | tee "$out/logs/bench.log"
   echo "bench: $(( $(date +%s) - t0 )) s"
-  cp results/raw/kernels/kernels.parquet results/tables/kernels.md "$out/" 2>/dev/null
-  cat results/tables/kernels.md 2>/dev/null
+  cp results/raw/kernels/v3-kernels.parquet results/tables/kernels-v3.md "$out/" 2>/dev/null
+  cat results/tables/kernels-v3.md 2>/dev/null
 fi
 tar -czf "$out/logs.tgz" -C "$out" logs && rm -rf "$out/logs"

@@ -32,7 +32,7 @@ def decode_only(engine, plan, q):
         out = torch.empty_like(q)
         for a in plan.args:
             engine.ops.decode(q, engine.cache.kv, engine.cache.block_table, plan.meta, out, plan.partial,
-                              plan.counters_buf if a.mode == 2 else engine._empty_i32, a.offs, a.dims)
+                              plan.counters_buf if a.mode == 2 else engine._empty_i32, **a.kernel)
     return f
 
 

@@ -26,6 +26,10 @@ from pkv.validate import check_kv
 MODE_DIRECT, MODE_PARTIAL, MODE_FUSED, MODE_CLUSTER = 0, 1, 2, 3
 MAX_SPLITS = 256  # kMaxSegSlots in csrc/pkv_decode.cu
 MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits in csrc/pkv_decode.h
+GROUPS = (1, 2, 4, 8)  # GQA groups the v3 kernels take (launch_decode's group check)
+# The decode op's named arguments past its tensors, in csrc/binding.cpp's schema order.
+KERNEL_ARGS = ("seq_lens_off", "req_ids_off", "rows_off", "tasks_off", "seg_off", "num_rows", "splits", "num_slots",
+               "bound_len", "group", "page_shift", "qo_indexed", "early_exit", "mode")
 
 
 def default_policy(cache: PagedCache) -> SplitPolicy:
@@ -88,10 +92,12 @@ def kernel_launches(kind: str, seq_lens: np.ndarray, num_kv_heads: int, policy: 
 
 @dataclass
 class LaunchArgs:
-    """Kernel arguments of one decode launch (and its merge), offsets into the metadata."""
+    """Kernel arguments of one decode launch (and its merge), offsets into the metadata.
 
-    offs: list[int]
-    dims: list[int]
+    `kernel` holds the decode op's named arguments (csrc/binding.cpp's schema) past its
+    tensors: metadata offsets (-1 = absent) and launch dimensions."""
+
+    kernel: dict
     num_rows: int
     num_slots: int
     mode: int
@@ -146,8 +152,8 @@ class PkvEngine(Engine):
             raise ValueError(f"{name} supports float16 and bfloat16, got {s.dtype}")
         if s.head_dim not in (64, 128):
             raise ValueError(f"{name} supports head_dim 64 and 128, got {s.head_dim}")
-        if s.group not in (1, 2, 4, 8):
-            raise ValueError(f"{name} supports GQA group sizes 1, 2, 4, 8, got {s.group}")
+        if s.group not in GROUPS:
+            raise ValueError(f"{name} supports GQA group sizes {', '.join(map(str, GROUPS))}, got {s.group}")
         self.name, self.kind, self.fused = name, PKV_ENGINES[name], name == "pkv-fused"
         self.policy = policy or default_policy(cache)
         if self.policy.splits > MAX_SPLITS:
@@ -193,11 +199,13 @@ class PkvEngine(Engine):
             if launch.queue:
                 tasks_off, pos = pos, pos + launch.tasks.size
                 parts.append(launch.tasks.ravel())
-            offs = [0, batch, -1 if launch.queue else rows_off, tasks_off, seg_off if mode == MODE_FUSED else -1]
-            bound = 0 if (launch.queue or self.row_local) else launch.bound
-            dims = [len(launch.rows), launch.splits, launch.num_tasks, bound, s.group, self.page_shift,
-                    0 if gathers else 1, int(self.early_exit), mode]
-            args.append(LaunchArgs(offs, dims, len(launch.rows), launch.num_tasks, mode, rows_off, seg_off, gathers))
+            kernel = dict(seq_lens_off=0, req_ids_off=batch, rows_off=-1 if launch.queue else rows_off,
+                          tasks_off=tasks_off, seg_off=seg_off if mode == MODE_FUSED else -1,
+                          num_rows=len(launch.rows), splits=launch.splits, num_slots=launch.num_tasks,
+                          bound_len=0 if (launch.queue or self.row_local) else launch.bound, group=s.group,
+                          page_shift=self.page_shift, qo_indexed=not gathers, early_exit=bool(self.early_exit),
+                          mode=mode)
+            args.append(LaunchArgs(kernel, len(launch.rows), launch.num_tasks, mode, rows_off, seg_off, gathers))
 
         meta = self._staging.upload(parts)
         need = max_slots * slot_floats(s) + 4  # + the acc block's 16-byte alignment
@@ -226,7 +234,7 @@ class PkvEngine(Engine):
                 q_in, o = q, out
             self.ops.decode(q_in, self.cache.kv, self.cache.block_table, plan.meta, o,
                             plan.partial if a.mode != MODE_DIRECT else self._empty_f32(),
-                            plan.counters_buf if a.mode == MODE_FUSED else self._empty_i32, a.offs, a.dims)
+                            plan.counters_buf if a.mode == MODE_FUSED else self._empty_i32, **a.kernel)
             if a.mode == MODE_PARTIAL:
                 self.ops.merge(plan.partial, plan.meta, o, a.seg_off, a.rows_off, a.num_rows, s.num_kv_heads,
                                a.num_slots, s.group, 0 if a.gather else 1)
