@@ -27,6 +27,7 @@ include: "workflow/rules/nsight.smk"
 include: "workflow/rules/report.smk"
 include: "workflow/rules/kernels.smk"
 include: "workflow/rules/model.smk"
+include: "workflow/rules/host.smk"
 
 
 rule all:
