@@ -28,6 +28,7 @@ include: "workflow/rules/report.smk"
 include: "workflow/rules/kernels.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/host.smk"
+include: "workflow/rules/router.smk"
 
 
 rule all:

@@ -5,11 +5,15 @@
 
 rule bench_host:
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=out("raw/host/host_path.parquet"),
-        md=out("tables/host_path.md"),
+        md=report(out("tables/host_path.md"), caption=CAPTION, category="Tables",
+                  labels={"table": "host_path", "format": "Markdown"}),
+    params:
+        caption="Host path per decode step: prepare, run launch and route µs per engine and batch, beside "
+        "FlashInfer's raw plan() on the same arrays.",
     log:
         out("logs/bench_host.log"),
     benchmark:
