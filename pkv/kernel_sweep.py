@@ -41,12 +41,19 @@ class SweepCase:
         return len(self.lens)
 
     @property
+    def shape(self):
+        from pkv.shape import Shape
+
+        return Shape(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype)
+
+    @property
     def group(self) -> int:
-        return self.num_qo_heads // self.num_kv_heads
+        return self.shape.group
 
     @property
     def bytes(self) -> int:
-        return sum(self.lens) * 2 * self.num_kv_heads * self.head_dim * 2
+        """Useful KV bytes: every token of every row, K and V, all KV heads, read once."""
+        return sum(self.lens) * self.shape.kv_bytes_per_token
 
 
 def homogeneous(max_tokens: int = 1 << 20) -> list[SweepCase]:
@@ -117,9 +124,8 @@ def graph_us(calls, reps: int) -> float:
 def build_caches(case: SweepCase, seed: int):
     from pkv.cache import PagedCache
     from pkv.paging import assign_pages
-    from pkv.shape import Shape
 
-    shape = Shape(case.num_qo_heads, case.num_kv_heads, case.head_dim, case.page_size, case.dtype)
+    shape = case.shape
     copies = int(min(8, max(2, math.ceil(1.0e9 / case.bytes))))
     lens = np.asarray(case.lens, dtype=np.int64)
     caches = [PagedCache.random(shape, assign_pages(lens, case.page_size, 0.5, seed + c), device="cuda", seed=seed + c)
