@@ -1,4 +1,4 @@
-"""Throughput ratios and the labels the tables and figures share (pkv.report and
+"""Throughput ratios, labels and cell formats the tables and figures share (pkv.report and
 pkv.report_figures both import this; neither imports the other at module level).
 
 An engine's decode-token throughput is sum(active) / sum(time) over a job's steps, per
@@ -8,6 +8,7 @@ variant's for the same keys and timing.
 
 from __future__ import annotations
 
+import numpy as np
 import pandas as pd
 
 FLASHINFER = ("flashinfer", "flashinfer-tc")
@@ -51,3 +52,27 @@ def trace_order(frame: pd.DataFrame) -> list[tuple[str, int]]:
     pairs = frame[["family", "max_active"]].drop_duplicates().itertuples(index=False)
     return sorted(((f, int(b)) for f, b in pairs),
                   key=lambda p: (p[1] != 1, FAMILY_ORDER.index(p[0]) if p[0] in FAMILY_ORDER else 99, p[1]))
+
+
+# ---------------------------------------------------------------- cell formatting
+
+
+def num(x: float, spec: str = ".3f") -> str:
+    return "–" if x is None or not np.isfinite(x) else format(x, spec)
+
+
+def mean_sd(values: pd.Series, spec: str = ".3f") -> str:
+    v = values.dropna()
+    if v.empty:
+        return "–"
+    if len(v) == 1:
+        return format(v.iloc[0], spec)
+    return f"{format(v.mean(), spec)}±{format(v.std(ddof=1), spec)}"
+
+
+def modal_route(routes: pd.Series) -> str:
+    """The route most steps took (and its share when not all did)."""
+    counts = routes.value_counts()
+    top = counts[counts == counts.max()].index.min()
+    share = counts.max() / counts.sum()
+    return top if share == 1 else f"{top} ({share:.0%} of steps)"

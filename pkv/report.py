@@ -28,7 +28,8 @@ from tabulate import tabulate
 from pkv.io import atomic_write_bytes, dict_hash, file_hash, read_meta
 from pkv.measure_config import SMOKE_BANNER
 from pkv.nsight import table5
-from pkv.ratios import FAMILY_ORDER, FLASHINFER, TIMINGS, baselines, ratios, throughputs, trace_label, trace_order  # noqa: F401
+from pkv.ratios import (FAMILY_ORDER, FLASHINFER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
+                        ratios, throughputs, trace_label, trace_order)
 from pkv.report_spec import FIGURE_SPECS, PER_SEED_STAGES, TABLE_SPECS
 
 
@@ -150,26 +151,6 @@ def seeds_cell(raw: Raw, stage: str, family: str, batch: int, have: int) -> str:
 
 
 # ---------------------------------------------------------------- formatting
-
-
-def num(x: float, spec: str = ".3f") -> str:
-    return "–" if x is None or not np.isfinite(x) else format(x, spec)
-
-
-def mean_sd(values: pd.Series, spec: str = ".3f") -> str:
-    v = values.dropna()
-    if v.empty:
-        return "–"
-    if len(v) == 1:
-        return format(v.iloc[0], spec)
-    return f"{format(v.mean(), spec)}±{format(v.std(ddof=1), spec)}"
-
-
-def modal_route(routes: pd.Series) -> str:
-    counts = routes.value_counts()
-    top = counts[counts == counts.max()].index.min()
-    share = counts.max() / counts.sum()
-    return top if share == 1 else f"{top} ({share:.0%} of steps)"
 
 
 # ---------------------------------------------------------------- tables

@@ -19,13 +19,13 @@ import io
 import sys
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 from tabulate import tabulate
 
 from pkv.io import atomic_write_bytes, atomic_write_text, read_meta
 from pkv.measure_config import SMOKE_BANNER
+from pkv.ratios import mean_sd, modal_route, num
 
 STAGE = "model_step"
 RATIO_BASES = ("flashinfer-graph", "reference")   # the first present is the ratio's denominator
@@ -62,7 +62,7 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
         "fails": g["failed"].sum(),
         "checked": g["rel_err"].count(),
         "max_rel_err": g["rel_err"].max(),
-        "route": g["route"].agg(_modal),
+        "route": g["route"].agg(modal_route),
         "mean_context": g["total_tokens"].sum() / g["active"].sum(),
     })
     pipe = frame[frame["kind"] == "pipelined"].groupby([*KEYS, "seed", "engine"], sort=True, observed=True)
@@ -74,26 +74,6 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     out["device_x"] = joined["device_ms_base"] / joined["device_ms"]
     out["pipelined_x"] = joined["pipelined_tps"] / joined["pipelined_tps_base"]
     return out
-
-
-def _modal(routes: pd.Series) -> str:
-    counts = routes.value_counts()
-    top = counts[counts == counts.max()].index.min()
-    share = counts.max() / counts.sum()
-    return top if share == 1 else f"{top} ({share:.0%} of steps)"
-
-
-def _num(x: float, spec: str) -> str:
-    return "–" if x is None or not np.isfinite(x) else format(x, spec)
-
-
-def _mean_sd(v: pd.Series, spec: str = ".3f") -> str:
-    v = v.dropna()
-    if v.empty:
-        return "–"
-    if len(v) == 1:
-        return format(v.iloc[0], spec)
-    return f"{format(v.mean(), spec)}±{format(v.std(ddof=1), spec)}"
 
 
 def _trace_label(family: str) -> str:
@@ -118,12 +98,12 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
             "Model": model, "Bucket": int(bucket), "Trace": _trace_label(family), "Engine": engine,
             "Route": g["route"].iloc[0] if g["route"].nunique() == 1 else "mixed",
             "Seeds": g["seed"].nunique(), "Steps": int(g["steps"].sum()),
-            "Context (mean)": _num(g["mean_context"].mean(), ".0f"),
-            "Wall ms": _num(g["wall_ms"].median(), ".3f"), "Device ms": _num(g["device_ms"].median(), ".3f"),
-            "Pipelined tok/s": _num(g["pipelined_tps"].mean(), ".0f"),
-            f"Wall × {base}": _mean_sd(g["wall_x"]), f"Device × {base}": _mean_sd(g["device_x"]),
-            f"Pipelined × {base}": _mean_sd(g["pipelined_x"]),
-            "Prepare µs": _num(g["prepare_us"].median(), ".1f"),
+            "Context (mean)": num(g["mean_context"].mean(), ".0f"),
+            "Wall ms": num(g["wall_ms"].median(), ".3f"), "Device ms": num(g["device_ms"].median(), ".3f"),
+            "Pipelined tok/s": num(g["pipelined_tps"].mean(), ".0f"),
+            f"Wall × {base}": mean_sd(g["wall_x"]), f"Device × {base}": mean_sd(g["device_x"]),
+            f"Pipelined × {base}": mean_sd(g["pipelined_x"]),
+            "Prepare µs": num(g["prepare_us"].median(), ".1f"),
             "Check fails": f"{int(g['fails'].sum())}/{int(g['checked'].sum())}",
         })
     return pd.DataFrame(rows)

@@ -35,7 +35,8 @@ from tabulate import tabulate  # noqa: E402
 from pkv.costmodel import Constants, RouteCost, estimate  # noqa: E402
 from pkv.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.measure_config import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
-from pkv.report import load, modal_route, trace_label, trace_order  # noqa: E402
+from pkv.ratios import modal_route, num, trace_label, trace_order  # noqa: E402
+from pkv.report import load  # noqa: E402
 
 PKV_ROUTES = {"pkv-bucket": "bucket", "pkv-workqueue": "workqueue"}
 WALL_BAR, DEVICE_BAR = 0.97, 0.95
@@ -84,10 +85,6 @@ def _miss(x: float, bar: float) -> str:
     return " ✗" if np.isfinite(x) and x < bar else ""
 
 
-def _num(x: float, spec: str) -> str:
-    return "–" if x is None or not np.isfinite(x) else format(x, spec)
-
-
 def regret_markdown(table: pd.DataFrame, smoke: bool) -> str:
     lines = ["# Router regret: adaptive vs the best fixed route in hindsight", ""]
     if smoke:
@@ -107,10 +104,10 @@ def regret_markdown(table: pd.DataFrame, smoke: bool) -> str:
     table = table.assign(_o=[order[(f, b)] for f, b in zip(table["family"], table["max_active"])])
     for r in table.sort_values(["_o", "seed"]).itertuples():
         rows.append([trace_label(r.family, r.max_active), r.seed, r.routes,
-                     f"{r.best_wall_route}", _num(r.wall_regret, ".3f") + _miss(r.wall_regret, WALL_BAR),
+                     f"{r.best_wall_route}", num(r.wall_regret, ".3f") + _miss(r.wall_regret, WALL_BAR),
                      f"{r.best_device_route}" if np.isfinite(r.device_regret) else "–",
-                     _num(r.device_regret, ".3f") + _miss(r.device_regret, DEVICE_BAR),
-                     _num(r.route_us_median, ".1f"), _num(r.route_us_max, ".1f")])
+                     num(r.device_regret, ".3f") + _miss(r.device_regret, DEVICE_BAR),
+                     num(r.route_us_median, ".1f"), num(r.route_us_max, ".1f")])
     lines.append(tabulate(rows, headers=["trace", "seed", "routes taken", "best fixed (wall)", "wall ratio",
                                          "best fixed (device)", "device ratio", "router µs median", "router µs max"],
                           tablefmt="github"))
