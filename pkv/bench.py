@@ -29,6 +29,7 @@ from pkv.harness import StepState
 from pkv.paging import assign_pages
 from pkv.schedule import SplitPolicy
 from pkv.shape import Shape
+from pkv.timing import events_us, graph_us_per_call
 
 K = 1024
 PKV_ENGINES = registry.names("pkv")
@@ -77,21 +78,12 @@ def read_roofline(gib: float = 4.0, reps: int = 15) -> dict[str, float]:
     probes = {"sum": lambda: x.sum(), "probe": lambda: ops().read_probe(x, sink, blocks)}
     result = {}
     for name, fn in probes.items():
-        times = [_events(fn) for _ in range(reps + 3)][3:]
+        times = [events_us(fn) for _ in range(reps + 3)][3:]
         result[name] = gib * 2**30 / (statistics.median(times) * 1e-6) / 1e9
     del x, sink
     torch.cuda.empty_cache()
     result["roofline"] = max(result["sum"], result["probe"])
     return result
-
-
-def _events(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
 
 
 class Workload:
@@ -109,13 +101,7 @@ class Workload:
 def _graph_us(name: str, calls: list, reps: int) -> float:
     """Median device µs per call by replaying one graph that runs every copy once."""
     try:
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for e, p, q in calls:
-                e.run(q, p)
-        graph.replay()
-        torch.cuda.synchronize()
-        return statistics.median(_events(graph.replay) for _ in range(reps)) / len(calls)
+        return graph_us_per_call(calls, reps)
     except RuntimeError as err:  # an engine whose run() cannot be captured keeps its event timing
         print(f"  {name}: graph capture failed: {err}", file=sys.stderr)
         torch.cuda.synchronize()
@@ -136,7 +122,7 @@ def time_engine(work: Workload, name: str, splits: int | None, reps: int, sweep:
     if sweep:
         return {"graph_us": _graph_us(name, calls, reps)}
 
-    events = [_events(lambda e=e, p=p, q=q: e.run(q, p)) for _ in range(reps) for e, p, q in calls]
+    events = [events_us(lambda e=e, p=p, q=q: e.run(q, p)) for _ in range(reps) for e, p, q in calls]
     graph_us = _graph_us(name, calls, reps)
 
     # Host path of one step as a serving loop sees it: prepare + run + synchronize.

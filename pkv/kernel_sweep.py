@@ -12,10 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -98,29 +97,6 @@ def quick() -> list[SweepCase]:
         c for c in shapes() if c.name in ("G5 d128 B1 32K", "G7 d128 B1 32K", "G4 d256 B1 32K", "G4 d64 B16 4K")]
 
 
-def events_us(fn) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
-
-
-def graph_us(calls, reps: int) -> float:
-    """Median device µs per call: one graph runs every (engine, plan, q) once; replays timed by events."""
-    for e, p, q in calls:
-        e.run(q, p)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for e, p, q in calls:
-            e.run(q, p)
-    graph.replay()
-    torch.cuda.synchronize()
-    return statistics.median(events_us(graph.replay) for _ in range(reps)) / len(calls)
-
-
 def build_caches(case: SweepCase, seed: int):
     from pkv.cache import PagedCache
     from pkv.paging import assign_pages
@@ -137,13 +113,17 @@ def build_caches(case: SweepCase, seed: int):
 def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> float:
     from pkv.engines import make_engine
     from pkv.schedule import SplitPolicy
+    from pkv.timing import graph_us_per_call
 
     options = dict(options)
     if "splits" in options:  # a host-planned PersistentKV schedule at a fixed split count
         options["policy"] = SplitPolicy(options.pop("splits"))
     engines = [make_engine(name, c, **options) for c in caches]
     calls = [(e, e.prepare(step), q) for e, q in zip(engines, queries)]
-    return graph_us(calls, reps)
+    for e, p, q in calls:  # warm-up: JIT load, allocator
+        e.run(q, p)
+    torch.cuda.synchronize()
+    return graph_us_per_call(calls, reps)
 
 
 def run_case(case: SweepCase, engines: list[tuple[str, dict]], reps: int, roofline: float, seed: int) -> list[dict]:

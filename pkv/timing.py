@@ -7,6 +7,9 @@ pkv.calibrate.
 - graph_s: device time of one CUDA-graph replay of run(), L2 flushed first (no host
   overhead at all).
 
+Benchmarks (pkv bench kernels / splits) time many calls with `events_us` and
+`graph_us_per_call` instead: inputs rotated beyond the L2 rather than flushed.
+
 L2 policy: before every timed step and every replay, a buffer of L2_FLUSH_BYTES is
 zeroed (cold L2 for every engine alike). On the CPU, cuda_s and graph_s are NaN.
 """
@@ -99,3 +102,25 @@ class Timer:
         return statistics.median(times)
 
 
+
+
+def events_us(fn: Callable[[], object]) -> float:
+    """Device µs of the work `fn` queues, between two CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def graph_us_per_call(calls: list, reps: int) -> float:
+    """Median device µs per call of one CUDA graph that runs every (engine, plan, q) of
+    `calls` once, over `reps` replays. Warm the engines up first; a capture that fails raises."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for engine, plan, q in calls:
+            engine.run(q, plan)
+    graph.replay()
+    torch.cuda.synchronize()
+    return statistics.median(events_us(graph.replay) for _ in range(reps)) / len(calls)

@@ -9,9 +9,10 @@ import statistics
 
 import torch
 
-from pkv.bench import Case, Workload, _events, read_roofline
+from pkv.bench import Case, Workload, read_roofline
 from pkv.engines import make_engine
 from pkv.schedule import SplitPolicy
+from pkv.timing import events_us
 
 
 def graph_us(fns, reps=30):
@@ -24,7 +25,7 @@ def graph_us(fns, reps=30):
             f()
     g.replay()
     torch.cuda.synchronize()
-    return statistics.median(_events(g.replay) for _ in range(reps)) / len(fns)
+    return statistics.median(events_us(g.replay) for _ in range(reps)) / len(fns)
 
 
 def decode_only(engine, plan, q):
