@@ -104,6 +104,8 @@ def test_padded_step_and_capacity_on_cpu():
     engine = make_engine("pkv-graph", cache, max_rows=3)
     step = StepState(0, np.array([2, 0]), np.array([300, 5], dtype=np.int32))
     plan = engine.prepare(step, rows=3)
+    # [lengths | request ids] at the kernel's fixed address, padding rows zero
+    assert engine.meta[:6].tolist() == [300, 5, 0, 2, 0, 0]
     out = engine.run(cache.query(3, 0), plan)
     assert out.shape[0] == 3
     with pytest.raises(ValueError, match="exceeds its capacity of 3 rows"):

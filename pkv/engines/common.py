@@ -10,18 +10,6 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def to_device_int32(parts: list[np.ndarray], device: torch.device) -> torch.Tensor:
-    """Concatenate int32 host arrays into pinned memory and issue one async H2D copy."""
-    total = sum(len(p) for p in parts)
-    host = torch.empty(max(total, 1), dtype=torch.int32, pin_memory=True)
-    view = host.numpy()
-    pos = 0
-    for p in parts:
-        view[pos:pos + len(p)] = p
-        pos += len(p)
-    return host.to(device, non_blocking=True)
-
-
 class PinnedStaging:
     """The one host-to-device copy of a step's int32 metadata, through pinned buffers that
     are allocated once and reused across steps (what a serving engine keeps).
@@ -29,7 +17,8 @@ class PinnedStaging:
     A ring of `depth` buffers: a buffer is refilled only after the copy that last read it
     has completed (a CUDA event per buffer), so a plan still in flight is never clobbered.
     The device tensor a copy returns is fresh each call (the caching allocator's), so
-    earlier plans keep their metadata. On a CPU device it is an ordinary copy (tests)."""
+    earlier plans keep their metadata, unless `out` names a fixed destination (a buffer a
+    captured CUDA graph reads). On a CPU device it is an ordinary copy (tests)."""
 
     def __init__(self, device: torch.device, depth: int = 2, capacity: int = 1 << 14):
         self.device = torch.device(device)
@@ -42,8 +31,9 @@ class PinnedStaging:
     def _alloc(self, n: int) -> torch.Tensor:
         return torch.empty(n, dtype=torch.int32, pin_memory=self.cuda)
 
-    def upload(self, parts: list[np.ndarray]) -> torch.Tensor:
-        """Concatenate `parts` (int32-convertible) and issue one async copy to the device."""
+    def upload(self, parts: list[np.ndarray], out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate `parts` (int32-convertible) and issue one async copy to the device,
+        into a new tensor or into out[:total] (returned)."""
         total = sum(len(p) for p in parts)
         i = self.next
         self.next = (i + 1) % len(self.bufs)
@@ -57,9 +47,15 @@ class PinnedStaging:
         for p in parts:
             view[pos:pos + len(p)] = p
             pos += len(p)
-        out = self.bufs[i][:max(total, 1)].to(self.device, non_blocking=True)
+        src = self.bufs[i][:max(total, 1)]
+        if out is not None:
+            out = out[:total].copy_(src[:total], non_blocking=True)
+        else:
+            out = src.to(self.device, non_blocking=True)
+            if not self.cuda and out.data_ptr() == self.bufs[i].data_ptr():
+                out = out.clone()   # a CPU "copy" is the pinned buffer itself
         if not self.cuda:
-            return out.clone() if out.data_ptr() == self.bufs[i].data_ptr() else out
+            return out
         if self.events[i] is None:
             self.events[i] = torch.cuda.Event()
         self.events[i].record()

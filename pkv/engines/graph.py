@@ -21,6 +21,7 @@ import torch
 from pkv.cache import PagedCache
 from pkv.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
 from pkv.engines.base import Engine, Plan
+from pkv.engines.common import PinnedStaging
 from pkv.harness import StepState
 from pkv.reference import run_schedule
 from pkv.schedule import slot_floats
@@ -71,13 +72,11 @@ class GraphEngine(Engine):
         slots = 2 * self.num_ctas
         self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(self.max_rows * s.num_kv_heads, dtype=torch.int32, device=dev)
-        # [lengths | request ids] of one step; two pinned host buffers so prepare() of step
-        # t+1 never overwrites a buffer whose copy for step t is still queued.
+        # [lengths | request ids] of one step, at a fixed address (a captured graph reads it),
+        # filled through pinned buffers reused across steps; padding rows are zeros.
         self.meta = torch.zeros(2 * self.max_rows, dtype=torch.int32, device=dev)
-        pin = self.gpu
-        self._host = [torch.zeros(2 * self.max_rows, dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._copied = [torch.cuda.Event() if self.gpu else None for _ in range(2)]
-        self._turn = 0
+        self._staging = PinnedStaging(dev, capacity=2 * self.max_rows)
+        self._zeros = np.zeros(self.max_rows, dtype=np.int32)
         self.ops = None
         if self.gpu:
             from pkv.kernels import ops
@@ -91,18 +90,8 @@ class GraphEngine(Engine):
         if not b <= rows <= self.max_rows:
             raise ValueError(f"pkv-graph: a step of {b} rows padded to {rows} exceeds its capacity of "
                              f"{self.max_rows} rows (or is padded below its size)")
-        k = self._turn
-        self._turn ^= 1
-        if self._copied[k] is not None:
-            self._copied[k].synchronize()
-        host = self._host[k].numpy()
-        host[:rows] = 0
-        host[:b] = step.seq_lens
-        host[rows:rows + b] = step.request_ids
-        host[rows + b:2 * rows] = 0
-        self.meta[:2 * rows].copy_(self._host[k][:2 * rows], non_blocking=True)
-        if self._copied[k] is not None:
-            self._copied[k].record()
+        pad = self._zeros[:rows - b]
+        self._staging.upload([step.seq_lens, pad, step.request_ids, pad], out=self.meta)
         return GraphPlan(step, self.name, 1, None, rows)
 
     def run(self, q: torch.Tensor, plan: GraphPlan) -> torch.Tensor:
