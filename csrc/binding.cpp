@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <optional>
 
 #include "graph_decode.h"
 #include "pkv_decode.h"
@@ -100,10 +101,16 @@ void merge(const at::Tensor& partial, const at::Tensor& meta, const at::Tensor& 
 // v4: named arguments; the step's split is decided by the kernel from seq_lens.
 void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& seq_lens,
                   const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
-                  const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles) {
+                  const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
+                  const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale) {
   check_cuda(q, "q"); check_cuda(kv, "kv"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
-  TORCH_CHECK(q.scalar_type() == kv.scalar_type() && out.scalar_type() == q.scalar_type(), "pkv: dtype mismatch");
+  const bool fp8 = kv.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((fp8 || q.scalar_type() == kv.scalar_type()) && out.scalar_type() == q.scalar_type(),
+              "pkv: dtype mismatch (kv is q's dtype or float8_e4m3fn; out is q's)");
+  TORCH_CHECK(!fp8 || kv.size(4) <= pkv::kFp8MaxHeadDim, "pkv.graph_decode: an FP8 cache is built for head_dim <= ",
+              pkv::kFp8MaxHeadDim);
+  TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0 && !page_scales), "pkv.graph_decode: scales need an FP8 cache");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && req_ids.scalar_type() == at::kInt &&
               block_table.scalar_type() == at::kInt && counters.scalar_type() == at::kInt, "pkv: int32 metadata expected");
   TORCH_CHECK(partial.scalar_type() == at::kFloat, "pkv.graph_decode: float32 partial workspace expected");
@@ -136,8 +143,18 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
   p.num_ctas = static_cast<int>(num_ctas);
   p.min_tiles = static_cast<int>(min_tiles);
   p.scale_log2 = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(D)));
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
+  if (page_scales) {
+    check_cuda(*page_scales, "page_scales");
+    TORCH_CHECK(page_scales->scalar_type() == at::kFloat && page_scales->dim() == 3 &&
+                    page_scales->size(0) == kv.size(0) && page_scales->size(1) == 2 && page_scales->size(2) == H,
+                "pkv.graph_decode: page_scales must be float32 [num_pages, 2, Hkv]");
+    TORCH_CHECK(P >= 16, "pkv.graph_decode: page scales need pages of >= 16 tokens");
+    p.page_scales = page_scales->data_ptr<float>();
+  }
   const cudaError_t err =
-      pkv::launch_graph_decode(p, dtype_of(q), static_cast<int>(D), c10::cuda::getCurrentCUDAStream());
+      pkv::launch_graph_decode(p, dtype_of(q), fp8, static_cast<int>(D), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "pkv.graph_decode launch failed: ", cudaGetErrorString(err));
 }
 
@@ -164,7 +181,8 @@ TORCH_LIBRARY(pkv, m) {
         "int num_kv_heads, int num_slots, int group, int qo_indexed) -> ()");
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
-        "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles) -> ()");
+        "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
+        "float k_scale=1.0, float v_scale=1.0) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
 }
 

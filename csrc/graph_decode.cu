@@ -6,8 +6,9 @@
 namespace pkv {
 namespace {
 
-template <typename T, int D, int kRows>
+template <typename T, int D, int kRows, bool kFp8>
 __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
+  using C = AttendCfg<D, kFp8>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_inc[kGraphMaxRows];  // inclusive prefix sum of tiles over rows
   __shared__ int s_len[kGraphMaxRows];
@@ -112,15 +113,19 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
     a.t_end = min(static_cast<int>(piece_end - seg_begin) * kTile, s_len[r]);
     a.valid_end = a.t_end;
     a.group = G;
-    a.scale_log2 = p.scale_log2;
+    a.scale_log2 = p.scale_log2 * p.k_scale;
+    a.page_scales = p.page_scales;
+    a.scale_head = h;
+    a.num_kv_heads = H;
+    a.out_scale = p.v_scale;
 
     T* out = reinterpret_cast<T*>(p.out) + qo;
     if (j0 == j1) {
-      attend_range<T, D, kRows>(a, smem, [&](int e, int, float a0, float a1, float, float den) {
+      attend_range<T, D, kRows, kFp8>(a, smem, [&](int e, int, float a0, float a1, float, float den) {
         Mma<T>::store2(out + e, a0 / den, a1 / den);
       });
     } else {
-      attend_range<T, D, kRows>(a, smem, [&](int e, int hh, float a0, float a1, float mx, float den) {
+      attend_range<T, D, kRows, kFp8>(a, smem, [&](int e, int hh, float a0, float a1, float mx, float den) {
         *reinterpret_cast<float2*>(part_acc + static_cast<int64_t>(slot) * G * D + e) = make_float2(a0, a1);
         if (e % D == 0) {
           part_m[slot * G + hh] = mx;
@@ -142,8 +147,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
         constexpr int kRedBytes = kThreads * 16;  // s_red at the end of the idle pipeline buffers
         merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
                                  [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
-                                 reinterpret_cast<float*>(smem), (AttendCfg<D>::kSmem - kRedBytes) / 4,
-                                 reinterpret_cast<float4*>(smem + (AttendCfg<D>::kSmem - kRedBytes)));
+                                 reinterpret_cast<float*>(smem), (C::kSmem - kRedBytes) / 4,
+                                 reinterpret_cast<float4*>(smem + (C::kSmem - kRedBytes)));
         if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
       }
       __syncthreads();
@@ -152,21 +157,39 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_deco
   }
 }
 
-template <typename T, int D, int kRows>
+template <typename T, int D, int kRows, bool kFp8>
 cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
-  auto kernel = graph_decode_kernel<T, D, kRows>;
-  static const cudaError_t attr =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, AttendCfg<D>::kSmemTotal);
+  auto kernel = graph_decode_kernel<T, D, kRows, kFp8>;
+  constexpr int smem = AttendCfg<D, kFp8>::kSmemTotal;
+  static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
-  kernel<<<p.num_ctas, kThreads, AttendCfg<D>::kSmemTotal, stream>>>(p);
+  kernel<<<p.num_ctas, kThreads, smem, stream>>>(p);
   return cudaGetLastError();
 }
 
-template <typename T, int D>
+template <typename T, int D, bool kFp8>
 cudaError_t launch_group(const GraphDecodeParams& p, cudaStream_t stream) {
-  if (p.group <= 8) return launch_typed<T, D, 1>(p, stream);
-  if constexpr (D <= 128) return launch_typed<T, D, 2>(p, stream);
+  if (p.group <= 8) return launch_typed<T, D, 1, kFp8>(p, stream);
+  if constexpr (D <= 128) return launch_typed<T, D, 2, kFp8>(p, stream);
   return cudaErrorInvalidValue;
+}
+
+template <typename T>
+cudaError_t launch_dim(const GraphDecodeParams& p, bool kv_fp8, int head_dim, cudaStream_t stream) {
+  if (kv_fp8) {
+    static_assert(kFp8MaxHeadDim == 128, "FP8 builds head_dim 64 and 128");
+    switch (head_dim) {
+      case 64: return launch_group<T, 64, true>(p, stream);
+      case 128: return launch_group<T, 128, true>(p, stream);
+      default: return cudaErrorInvalidValue;
+    }
+  }
+  switch (head_dim) {
+    case 64: return launch_group<T, 64, false>(p, stream);
+    case 128: return launch_group<T, 128, false>(p, stream);
+    case 256: return launch_group<T, 256, false>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
 }
 
 }  // namespace
@@ -176,17 +199,13 @@ int graph_decode_ctas_per_sm(int head_dim) {
                                                                       : AttendCfg<256>::kCtasPerSm;
 }
 
-cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, int head_dim, cudaStream_t stream) {
+cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
+                                cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
-      p.min_tiles < 1)
+      p.min_tiles < 1 || (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
-  const bool half = dtype == DType::kFloat16;
-  switch (head_dim) {
-    case 64: return half ? launch_group<__half, 64>(p, stream) : launch_group<__nv_bfloat16, 64>(p, stream);
-    case 128: return half ? launch_group<__half, 128>(p, stream) : launch_group<__nv_bfloat16, 128>(p, stream);
-    case 256: return half ? launch_group<__half, 256>(p, stream) : launch_group<__nv_bfloat16, 256>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)
+                                  : launch_dim<__nv_bfloat16>(p, kv_fp8, head_dim, stream);
 }
 
 }  // namespace pkv

@@ -21,7 +21,8 @@ constexpr int kGraphMaxRows = 1024;  // rows one step may hold (lengths are scan
 struct GraphDecodeParams {
   const void* q;            // [num_rows, Hq, D]
   void* out;                // [num_rows, Hq, D]; rows of length 0 are not written
-  const void* kv;           // [num_pages, 2, Hkv, P, D]
+  const void* kv;           // [num_pages, 2, Hkv, P, D], the query's type or FP8 e4m3
+  const float* page_scales; // FP8: null or [num_pages, 2, Hkv] factors on top of k_scale / v_scale
   const int* block_table;   // [R, bt_stride] physical page ids, indexed by request id
   int64_t bt_stride;
   const int* seq_lens;      // [num_rows]; 0 = padding row
@@ -35,10 +36,16 @@ struct GraphDecodeParams {
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
   float scale_log2;         // log2(e) / sqrt(D)
+  float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
 };
+
+// Head dims built with an FP8 e4m3 cache (kFp8HeadDims in pkv/engines/graph.py).
+constexpr int kFp8MaxHeadDim = 128;
 
 // CTAs per SM the kernel is built for at this head_dim (its shared-memory budget).
 int graph_decode_ctas_per_sm(int head_dim);
-cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, int head_dim, cudaStream_t stream);
+// dtype: the query's (and output's); kv_fp8: the cache holds e4m3 bytes.
+cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
+                                cudaStream_t stream);
 
 }  // namespace pkv

@@ -254,3 +254,6 @@ def add_commands(sub) -> None:
     from pkv import bench_host   # pkv bench host: the host path per engine and batch
 
     bench_host.add_command(bench)
+    from pkv import fp8_accuracy   # pkv bench fp8-accuracy: error of FP8 caches per scale policy
+
+    fp8_accuracy.add_command(bench)

@@ -34,6 +34,9 @@ class SweepCase:
     head_dim: int = 128
     page_size: int = 16
     dtype: str = "float16"
+    kv_dtype: str = "auto"      # auto (= dtype) | fp8 (e4m3)
+    fp8_policy: str = ""        # FP8 scale policy (pkv.fp8.POLICIES); "" for a 16-bit cache
+    point: str = ""             # the lengths' name, shared by a point's 16-bit and FP8 cases
 
     @property
     def batch(self) -> int:
@@ -43,7 +46,7 @@ class SweepCase:
     def shape(self):
         from pkv.shape import Shape
 
-        return Shape(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype)
+        return Shape(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.kv_dtype)
 
     @property
     def group(self) -> int:
@@ -88,7 +91,20 @@ def shapes() -> list[SweepCase]:
     return out
 
 
-SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes}
+FP8_KV = (("auto", ""), ("fp8", "tensor"), ("fp8", "page"))   # each point: 16-bit, then both FP8 policies
+
+
+def fp8(seed: int = 20260622) -> list[SweepCase]:
+    """The FP8 rows: B1 4K-128K, B8 32K, B64 x 2K and ragged mixes, each with a 16-bit and
+    both FP8 caches over the same lengths (the ratios pair them through `point`)."""
+    pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B64 2K"}
+    points = [c for c in homogeneous() if c.name in pick] + ragged(seed)[:4]
+    return [SweepCase("fp8", f"{c.name} {kv if kv == 'auto' else 'fp8-' + policy}", c.lens, kv_dtype=kv,
+                      fp8_policy=policy, point=c.name)
+            for c in points for kv, policy in FP8_KV]
+
+
+SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes, "fp8": fp8}
 
 
 def quick() -> list[SweepCase]:
@@ -104,7 +120,8 @@ def build_caches(case: SweepCase, seed: int):
     shape = case.shape
     copies = int(min(8, max(2, math.ceil(1.0e9 / case.bytes))))
     lens = np.asarray(case.lens, dtype=np.int64)
-    caches = [PagedCache.random(shape, assign_pages(lens, case.page_size, 0.5, seed + c), device="cuda", seed=seed + c)
+    caches = [PagedCache.random(shape, assign_pages(lens, case.page_size, 0.5, seed + c), device="cuda", seed=seed + c,
+                                fp8_policy=case.fp8_policy or "tensor")
               for c in range(copies)]
     queries = [c.query(len(lens), seed + 100 + i) for i, c in enumerate(caches)]
     return caches, queries
@@ -143,6 +160,7 @@ def run_case(case: SweepCase, engines: list[tuple[str, dict]], reps: int, roofli
         rows.append(dict(family=case.family, case=case.name, batch=case.batch, mean_len=float(np.mean(case.lens)),
                          max_len=max(case.lens), group=case.group, head_dim=case.head_dim,
                          num_kv_heads=case.num_kv_heads, page_size=case.page_size, dtype=case.dtype,
+                         kv_dtype=case.kv_dtype, fp8_policy=case.fp8_policy, point=case.point or case.name,
                          engine=label, graph_us=us, bytes=case.bytes, achieved_gbps=gbps,
                          frac_of_roofline=gbps / roofline, copies=len(caches), error=error,
                          lens=json.dumps(list(case.lens)) if case.batch <= 256 else ""))

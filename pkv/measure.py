@@ -114,7 +114,7 @@ def measure(
         base = engines[baseline].run(q, engines[baseline].prepare(state))
         ref = None
         if i % reference_every == 0:
-            ref = attention_reference(q, cache.kv, cache.block_table[torch.as_tensor(state.request_ids, device=cache.device)],
+            ref = attention_reference(q, cache.values(), cache.block_table[torch.as_tensor(state.request_ids, device=cache.device)],
                                       tensor_lens(state.seq_lens, cache.device))
         errs = {}
         for label in labels:

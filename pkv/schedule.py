@@ -143,7 +143,7 @@ class Schedule:
     launches: tuple[Launch, ...]
 
     def counters(self, shape: Shape, seq_lens: np.ndarray, num_sms: int, extra_launches: int = 0) -> Counters:
-        token_bytes_per_head = 2 * shape.head_dim * shape.itemsize
+        token_bytes_per_head = 2 * shape.head_dim * shape.kv_itemsize
         read_tokens = sum(int((l.tasks[:, 4] - l.tasks[:, 3]).sum()) for l in self.launches)
         merging = [l for l in self.launches if l.needs_merge]
         return Counters(

@@ -14,8 +14,9 @@ def check_kv(kv: torch.Tensor, shape: Shape) -> None:
     want = (2, shape.num_kv_heads, shape.page_size, shape.head_dim)
     if kv.dim() != 5 or tuple(kv.shape[1:]) != want:
         raise ValueError(f"kv must have shape [num_pages, {', '.join(map(str, want))}], got {list(kv.shape)}")
-    if kv.dtype != shape.torch_dtype:
-        raise ValueError(f"kv dtype {kv.dtype} does not match the shape's {shape.dtype}")
+    if kv.dtype != shape.kv_torch_dtype:
+        raise ValueError(f"kv dtype {kv.dtype} does not match the shape's {shape.kv_torch_dtype} "
+                         f"(dtype {shape.dtype}, kv_dtype {shape.kv_dtype})")
     if not kv.is_contiguous():
         raise ValueError("kv must be contiguous")
 

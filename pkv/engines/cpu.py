@@ -31,7 +31,7 @@ class ReferenceEngine(Engine):
 
     def run(self, q: torch.Tensor, plan: TablePlan) -> torch.Tensor:
         self.check_query(q, plan)
-        return attention_reference(q, self.cache.kv, plan.block_table, plan.seq_lens).to(q.dtype)
+        return attention_reference(q, self.cache.values(), plan.block_table, plan.seq_lens).to(q.dtype)
 
 
 def build_schedule(kind: str, seq_lens, num_kv_heads: int, policy: SplitPolicy, row_local: bool = True) -> Schedule:
@@ -67,4 +67,4 @@ class TaskListEngine(Engine):
 
     def run(self, q: torch.Tensor, plan: TablePlan) -> torch.Tensor:
         self.check_query(q, plan)
-        return run_schedule(q, self.cache.kv, plan.block_table, plan.seq_lens, plan.schedule).to(q.dtype)
+        return run_schedule(q, self.cache.values(), plan.block_table, plan.seq_lens, plan.schedule).to(q.dtype)

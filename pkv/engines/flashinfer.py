@@ -33,6 +33,12 @@ class FlashInferEngine(Engine):
     def __init__(self, cache: PagedCache, name: str, validate: bool = True):
         super().__init__(cache, validate)
         check_kv(cache.kv, cache.shape)
+        if cache.scales is not None and cache.scales.policy != "tensor":
+            raise ValueError(f"{name}: FlashInfer reads an FP8 cache with tensor scales only, "
+                             f"not the {cache.scales.policy!r} policy")
+        # FP8: one K and one V scale per tensor, FlashInfer's convention.
+        self._scales = {} if cache.scales is None else {"k_scale": cache.scales.k_scale,
+                                                         "v_scale": cache.scales.v_scale}
         try:
             import flashinfer
         except ImportError as e:
@@ -65,18 +71,18 @@ class FlashInferEngine(Engine):
         self.check_step(step)
         indptr, indices, last, lens = self.view(step)
         s = self.cache.shape
-        dt = s.torch_dtype
+        dt, kvt = s.torch_dtype, s.kv_torch_dtype
         if self.name == "flashinfer-persistent":
             # Host indptr/lengths (its plan reads them on the host), device page ids.
             self.wrapper.plan(self._qo_indptr[:step.active + 1], indptr, indices, lens, s.num_qo_heads,
                               s.num_kv_heads, s.head_dim, s.head_dim, s.page_size, causal=False,
-                              q_data_type=dt, kv_data_type=dt)
+                              q_data_type=dt, kv_data_type=kvt)
         else:
             self.wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
-                              q_data_type=dt, kv_data_type=dt)
+                              q_data_type=dt, kv_data_type=kvt)
         return Plan(step, self.name, 1, None)
 
     def run(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
         self.check_query(q, plan)
-        out = self.wrapper.run(q, self.cache.kv)
+        out = self.wrapper.run(q, self.cache.kv, **self._scales)
         return out[0] if isinstance(out, tuple) else out

@@ -27,16 +27,23 @@ from pkv.reference import run_schedule
 from pkv.schedule import slot_floats
 
 HEAD_DIMS = (64, 128, 256)
+FP8_HEAD_DIMS = (64, 128)   # kFp8MaxHeadDim in csrc/graph_decode.h: the FP8 kernels built
+PAGE_SCALE_MIN_PAGE = 16    # kChunk in csrc/attend.cuh: one page factor per 16-token chunk
 MAX_GROUP = 16          # kMaxGroup in csrc/attend.cuh (8 at head_dim 256)
 CTAS_PER_SM = {64: 3, 128: 2, 256: 1}   # AttendCfg<D>::kCtasPerSm in csrc/attend.cuh
 CPU_NUM_CTAS = 264      # the H200's 132 SMs x 2: the CPU oracle cuts steps like the reference GPU
 
 
-def check_graph_shape(shape) -> None:
+def check_graph_shape(shape, scales=None) -> None:
     if shape.dtype not in ("float16", "bfloat16"):
-        raise ValueError(f"pkv-graph supports float16 and bfloat16, got {shape.dtype}")
+        raise ValueError(f"pkv-graph supports float16 and bfloat16 queries, got {shape.dtype}")
     if shape.head_dim not in HEAD_DIMS:
         raise ValueError(f"pkv-graph supports head_dim {HEAD_DIMS}, got {shape.head_dim}")
+    if shape.fp8 and shape.head_dim not in FP8_HEAD_DIMS:
+        raise ValueError(f"pkv-graph is built with an FP8 cache for head_dim {FP8_HEAD_DIMS}, got {shape.head_dim}")
+    if scales is not None and scales.policy == "page" and shape.page_size < PAGE_SCALE_MIN_PAGE:
+        raise ValueError(f"pkv-graph reads per-page FP8 scales on pages of >= {PAGE_SCALE_MIN_PAGE} tokens, "
+                         f"got page_size {shape.page_size} (use the 'tensor' policy)")
     limit = 8 if shape.head_dim == 256 else MAX_GROUP
     if not 1 <= shape.group <= limit:
         raise ValueError(f"pkv-graph supports GQA groups 1..{limit} at head_dim {shape.head_dim}, got {shape.group}")
@@ -56,7 +63,10 @@ class GraphEngine(Engine):
         s = cache.shape
         self.gpu = cache.kv.is_cuda
         if self.gpu:
-            check_graph_shape(s)
+            check_graph_shape(s, cache.scales)
+        sc = cache.scales  # FP8: the kernel's scale arguments, fixed for the engine's life
+        self._scale_args = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale,
+                                                    "v_scale": sc.v_scale}
         self.max_rows = int(max_rows or min(GRAPH_MAX_ROWS, cache.assignment.num_requests))
         if not 1 <= self.max_rows <= GRAPH_MAX_ROWS:
             raise ValueError(f"pkv-graph holds 1..{GRAPH_MAX_ROWS} rows a step, got max_rows={self.max_rows}")
@@ -101,11 +111,11 @@ class GraphEngine(Engine):
         if self.gpu:
             r = plan.rows
             self.ops.graph_decode(q, self.cache.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
-                                  self.partial, self.counters, self.num_ctas, self.min_tiles)
+                                  self.partial, self.counters, self.num_ctas, self.min_tiles, **self._scale_args)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))
         table = self.cache.block_table[torch.as_tensor(plan.step.request_ids)]
         schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles)
-        out[:b] = run_schedule(q[:b], self.cache.kv, table, lens, schedule).to(q.dtype)
+        out[:b] = run_schedule(q[:b], self.cache.values(), table, lens, schedule).to(q.dtype)
         return out

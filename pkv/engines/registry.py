@@ -22,19 +22,20 @@ class EngineInfo:
     kind: str
     description: str
     cpu: bool = False  # also runs on a CPU cache
+    fp8: bool = False  # reads an FP8 (e4m3) cache
 
 
 ENGINES: dict[str, EngineInfo] = {
-    "reference": EngineInfo("reference", "fp32", "Eq. 1 in FP32, one row at a time", cpu=True),
+    "reference": EngineInfo("reference", "fp32", "Eq. 1 in FP32, one row at a time", cpu=True, fp8=True),
     "pkv-workqueue": EngineInfo("pkv", "workqueue", "compact workqueue of non-empty (row, kv head, split) tasks",
                                 cpu=True),
     "pkv-masked": EngineInfo("pkv", "masked", "one coarse masked bucket sized by the longest row", cpu=True),
     "pkv-bucket": EngineInfo("pkv", "bucket", "exact length buckets: one grid launch per distinct length", cpu=True),
     "pkv-fused": EngineInfo("pkv", "workqueue", "workqueue with the atomic-counter fused merge (ablation)"),
     "pkv-graph": EngineInfo("pkv-graph", "graph", "single-launch decode, splits decided on the GPU, no host plan, "
-                            "CUDA-graph capturable", cpu=True),
-    "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores"),
-    "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores"),
+                            "CUDA-graph capturable", cpu=True, fp8=True),
+    "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores", fp8=True),
+    "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores", fp8=True),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)"),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA"),
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes", cpu=True),
@@ -69,6 +70,9 @@ def build(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **opt
     """Build engine `name` over `cache` (see pkv.engines.make_engine)."""
     e = info(name)
     cuda = cache.kv.is_cuda
+    if cache.shape.fp8 and not e.fp8:
+        raise ValueError(f"engine {name!r} does not read an FP8 KV cache; those that do: "
+                         f"{[n for n, i in ENGINES.items() if i.fp8]}")
     if e.family == "reference":
         from pkv.engines.cpu import ReferenceEngine
 
