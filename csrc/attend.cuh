@@ -46,7 +46,7 @@ template <int D, bool kFp8 = false> struct AttendCfg {
   static constexpr int kHalfBytes = kChunk * kRowBytes;
   static constexpr int kStageBytes = 2 * kHalfBytes;    // K then V
   // FP8 chunks are half the bytes: one stage more keeps as many bytes in flight per warp.
-  static constexpr int kStages = kFp8 ? 4 : 3;
+  static constexpr int kStages = kFp8 ? PKV_FP8_STAGES : 3;
   static constexpr int kSmem = kWarps * kStages * kStageBytes;  // fp16 48 / 96 / 192 KB, fp8 32 / 64 / 128 KB
   static constexpr int kCtasPerSm = D == 64 ? 3 : D == 128 ? 2 : 1;
   // At D = 256 the Q fragments would not fit in registers beside the accumulators: Q
@@ -88,12 +88,28 @@ struct Range {
   float out_scale;         // the V tensor scale: multiplies the CTA's output state
 };
 
+// Build-time knobs (PKV_NVCC_FLAGS in pkv/kernels.py), for measuring alternatives.
+#ifndef PKV_FP8_STAGES
+#define PKV_FP8_STAGES 4
+#endif
+#ifndef PKV_FP8_ALU_WIDEN
+#define PKV_FP8_ALU_WIDEN 0
+#endif
+// With the ALU widening an e4m3 value arrives as fp16 times 2^-8 (kFp8Unit): its bits
+// shifted into fp16's fields keep the 8 - 15 exponent-bias difference, subnormals too.
+constexpr float kFp8Unit = PKV_FP8_ALU_WIDEN ? 256.f : 1.f;
+
 // FP8 pair widening: the two e4m3 bytes of a 16-bit half of x to an f16x2 register.
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x, bool hi) {
+#if PKV_FP8_ALU_WIDEN
+  const uint32_t w = __byte_perm(x, 0, hi ? 0x3424 : 0x1404);  // each byte to the top of its 16-bit half
+  return (w & 0x80008000u) | ((w >> 1) & 0x3f803f80u);         // sign stays, exponent+mantissa down one bit
+#else
   const unsigned short pair = static_cast<unsigned short>(hi ? x >> 16 : x & 0xffffu);
   uint32_t r;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(r) : "h"(pair));
   return r;
+#endif
 }
 
 // Two adjacent query elements as the math type's packed pair (bf16 queries against an
@@ -238,7 +254,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
       }
     }
     const int tok0 = a.t_begin + (warp + j * kWarps) * kChunk;
-    float qk_scale = a.scale_log2, p_scale = 1.f;
+    float qk_scale = kFp8 ? a.scale_log2 * kFp8Unit : a.scale_log2, p_scale = 1.f;
     if constexpr (kFp8) {
       if (a.page_scales != nullptr) {
         const float* f = wscale + (j % C::kStages) * 2;
@@ -354,7 +370,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
       a0 += wt * v.x;
       a1 += wt * v.y;
     }
-    if constexpr (kFp8) a0 *= a.out_scale, a1 *= a.out_scale;
+    if constexpr (kFp8) a0 *= a.out_scale * kFp8Unit, a1 *= a.out_scale * kFp8Unit;
     emit(e, h, a0, a1, mx, den);
   }
   __syncthreads();  // the buffers are free again for the caller

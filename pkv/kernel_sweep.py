@@ -182,6 +182,7 @@ def with_ratios(frame):
 def add_arguments(ap) -> None:
     ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
     ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
+    ap.add_argument("--cases", default="", help="comma-separated case names to keep (default: every case)")
     ap.add_argument("--engines", default="pkv-graph," + ",".join(FLASHINFER),
                     help="engines; name[key=value;...] sets options, e.g. pkv-graph[min_tiles=4]")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
@@ -213,6 +214,12 @@ def run(args, command: str) -> int:
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {sorted(SUITES)}")
     cases = quick() if args.quick else [c for s in args.suites.split(",") for c in SUITES[s]()]
+    if args.cases:
+        keep = args.cases.split(",")
+        missing = sorted(set(keep) - {c.name for c in cases})
+        if missing:
+            raise ValueError(f"--cases: no case named {missing} in the chosen suites")
+        cases = [c for c in cases if c.name in keep]
     probes = read_roofline()
     roofline = probes["roofline"]
     print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)

@@ -8,6 +8,8 @@ The ops land in torch.ops.pkv (decode, merge, graph_decode, read_probe).
 from __future__ import annotations
 
 import hashlib
+import os
+import shlex
 from functools import cache
 from pathlib import Path
 
@@ -25,8 +27,13 @@ def arch_flags(major: int, minor: int) -> list[str]:
     return [f"-gencode=arch=compute_{cc},code=sm_{cc}"]
 
 
+def extra_flags() -> list[str]:
+    """PKV_NVCC_FLAGS (e.g. "-DPKV_FP8_STAGES=6"): build-time knobs for experiments, part of the build key."""
+    return shlex.split(os.environ.get("PKV_NVCC_FLAGS", ""))
+
+
 def source_hash(capability: tuple[int, int]) -> str:
-    h = hashlib.sha256(repr(capability).encode())
+    h = hashlib.sha256(repr((capability, extra_flags())).encode())
     for name in SOURCES + HEADERS:
         h.update(name.encode())
         h.update((CSRC / name).read_bytes())
@@ -48,7 +55,7 @@ def ops():
         name=f"pkv_ext_{key}",
         sources=[str(CSRC / s) for s in SOURCES],
         extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", *arch_flags(*capability)],
+        extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", *arch_flags(*capability), *extra_flags()],
         extra_include_paths=[str(CSRC)],
         build_directory=str(build),
         is_python_module=False,
