@@ -133,7 +133,7 @@ def test_small_pages_take_tensor_scales(page_size):
 
 
 def test_refused_combinations():
-    cache16, _, _, _ = make_case([100], seed=3, head_dim=256, group=2)
+    cache16, _, _ = make_case([100], seed=3, head_dim=256, group=2)
     with pytest.raises(ValueError, match="FP8 cache for head_dim"):
         make_engine("pkv-graph", cache16.quantized("tensor"))
     cache16, cache8, _, _ = fp8_case([100], "tensor", 4)
