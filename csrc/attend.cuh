@@ -31,6 +31,20 @@
 #include "ptx.cuh"
 #include "state.cuh"
 
+// Build-time knobs (PKV_NVCC_FLAGS in pkv/kernels.py), for measuring alternatives.
+#ifndef PKV_FP8_SUB
+#define PKV_FP8_SUB 2
+#endif
+#ifndef PKV_FP8_STAGES
+#define PKV_FP8_STAGES (PKV_FP8_SUB == 1 ? 4 : 3)
+#endif
+#ifndef PKV_FP8_CTAS
+#define PKV_FP8_CTAS 0
+#endif
+#ifndef PKV_FP8_ALU_WIDEN
+#define PKV_FP8_ALU_WIDEN 0
+#endif
+
 namespace pkv {
 
 constexpr int kWarps = 4;
@@ -43,19 +57,22 @@ template <int D, bool kFp8 = false> struct AttendCfg {
   static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
   static constexpr int kRowBytes = D * (kFp8 ? 1 : 2);  // one token of K (or V)
   static constexpr int kPieces = kRowBytes / 16;        // 16-byte pieces per token row
-  static constexpr int kHalfBytes = kChunk * kRowBytes;
+  // A warp step takes kSub 16-token sub-chunks: FP8 steps take two, so a step moves as
+  // many bytes as a 16-bit one and the per-step softmax work is spread over twice the tokens.
+  static constexpr int kSub = kFp8 ? PKV_FP8_SUB : 1;
+  static constexpr int kStepTokens = kSub * kChunk;
+  static constexpr int kHalfBytes = kStepTokens * kRowBytes;
   static constexpr int kStageBytes = 2 * kHalfBytes;    // K then V
-  // FP8 chunks are half the bytes: one stage more keeps as many bytes in flight per warp.
   static constexpr int kStages = kFp8 ? PKV_FP8_STAGES : 3;
-  static constexpr int kSmem = kWarps * kStages * kStageBytes;  // fp16 48 / 96 / 192 KB, fp8 32 / 64 / 128 KB
-  static constexpr int kCtasPerSm = D == 64 ? 3 : D == 128 ? 2 : 1;
+  static constexpr int kSmem = kWarps * kStages * kStageBytes;  // 48 / 96 / 192 KB (16-bit and FP8 alike)
+  static constexpr int kCtasPerSm = kFp8 && PKV_FP8_CTAS ? PKV_FP8_CTAS : D == 64 ? 3 : D == 128 ? 2 : 1;
   // At D = 256 the Q fragments would not fit in registers beside the accumulators: Q
   // (<= 8 heads there) waits in shared memory past the pipeline buffers instead.
   static constexpr bool kQInSmem = D > 128;
   static constexpr int kQOffset = kSmem;
   // FP8 page scales (K, V factor of the chunk's page) land beside each stage, by cp.async.
   static constexpr int kScaleOffset = kQOffset + (kQInSmem ? 8 * D * 2 : 0);
-  static constexpr int kSmemTotal = kScaleOffset + (kFp8 ? kWarps * kStages * 8 : 0);
+  static constexpr int kSmemTotal = kScaleOffset + (kFp8 ? kWarps * kStages * kSub * 8 : 0);
   // The warps' states (m[16], l[16], acc[16][D] each) reuse the idle pipeline buffers.
   static_assert(kWarps * 16 * (D + 2) * 4 <= kSmem, "warp states must fit in the pipeline buffers");
   static_assert(kRowBytes == 64 || kRowBytes % 128 == 0, "rows of 64 bytes or whole 128-byte lines");
@@ -88,13 +105,6 @@ struct Range {
   float out_scale;         // the V tensor scale: multiplies the CTA's output state
 };
 
-// Build-time knobs (PKV_NVCC_FLAGS in pkv/kernels.py), for measuring alternatives.
-#ifndef PKV_FP8_STAGES
-#define PKV_FP8_STAGES 4
-#endif
-#ifndef PKV_FP8_ALU_WIDEN
-#define PKV_FP8_ALU_WIDEN 0
-#endif
 // With the ALU widening an e4m3 value arrives as fp16 times 2^-8 (kFp8Unit): its bits
 // shifted into fp16's fields keep the 8 - 15 exponent-bias difference, subnormals too.
 constexpr float kFp8Unit = PKV_FP8_ALU_WIDEN ? 256.f : 1.f;
@@ -130,32 +140,40 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
   using KvT = std::conditional_t<kFp8, unsigned char, T>;  // one KV element
   constexpr int kPieceElems = 16 / sizeof(KvT);
   constexpr int kAcc = 2 * kRows;  // accumulator floats per lane per 8-column block
+  constexpr int kSub = C::kSub, kStep = C::kStepTokens, kNB = kStep / 8;  // S has kNB 8-token blocks
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int G = a.group;
   const int P = 1 << a.page_shift;
   const KvT* kv = reinterpret_cast<const KvT*>(a.kv);
-  const int chunks = (a.t_end - a.t_begin + kChunk - 1) / kChunk;
+  const int chunks = (a.t_end - a.t_begin + kStep - 1) / kStep;
   const int my_chunks = chunks > warp ? (chunks - warp + kWarps - 1) / kWarps : 0;
   const uint32_t wbase_s = smem_addr(smem + warp * C::kStages * C::kStageBytes);
-  float* const wscale = reinterpret_cast<float*>(smem + C::kScaleOffset) + warp * C::kStages * 2;
+  float* const wscale = reinterpret_cast<float*>(smem + C::kScaleOffset) + warp * C::kStages * kSub * 2;
 
-  // Pages of >= 16 tokens hold a whole (16-aligned) chunk: one block-table lookup per
-  // chunk, loaded an iteration ahead of its use so its latency hides behind the math.
-  auto chunk_page = [&](int j) {
-    return P >= kChunk && j < my_chunks ? __ldg(a.bt + ((a.t_begin + (warp + j * kWarps) * kChunk) >> a.page_shift))
-                                        : 0;
-  };
-  auto issue = [&](int j, int page0) {
-    if (j < my_chunks) {
-      const int tok0 = a.t_begin + (warp + j * kWarps) * kChunk;
-      const uint32_t stage = wbase_s + (j % C::kStages) * C::kStageBytes;
+  // Pages of >= 16 tokens hold whole (16-aligned) sub-chunks: one block-table lookup per
+  // sub-chunk, loaded an iteration ahead of its use so its latency hides behind the math.
+  struct Pages { int id[kSub]; };
+  auto chunk_pages = [&](int j) {
+    Pages pg;
 #pragma unroll
-      for (int it = 0; it < kChunk * C::kPieces / 32; ++it) {
+    for (int i = 0; i < kSub; ++i)
+      pg.id[i] = P >= kChunk && j < my_chunks
+                     ? __ldg(a.bt + ((a.t_begin + (warp + j * kWarps) * kStep + i * kChunk) >> a.page_shift)) : 0;
+    return pg;
+  };
+  auto issue = [&](int j, const Pages& pg) {
+    if (j < my_chunks) {
+      const int tok0 = a.t_begin + (warp + j * kWarps) * kStep;
+      const uint32_t stage = wbase_s + (j % C::kStages) * C::kStageBytes;
+      static_assert(kChunk * C::kPieces % 32 == 0, "a sub-chunk is whole rounds of 32 lanes");
+#pragma unroll
+      for (int it = 0; it < kStep * C::kPieces / 32; ++it) {
         const int idx = it * 32 + lane;
         const int tok = idx / C::kPieces, piece = idx % C::kPieces;
         const int t = tok0 + tok;
         const bool ok = t < a.t_end;
-        const int page = P >= kChunk ? page0 : (ok ? __ldg(a.bt + (t >> a.page_shift)) : 0);
+        const int page = P >= kChunk ? pg.id[it * 32 / (kChunk * C::kPieces)]
+                                     : (ok ? __ldg(a.bt + (t >> a.page_shift)) : 0);
         const KvT* src = kv + page * a.page_elems + a.head_off + (t & (P - 1)) * D + piece * kPieceElems;
         const uint32_t dst = stage + C::offset(tok, piece);
         cp_async16(dst, ok ? src : kv, ok ? 16 : 0);
@@ -164,9 +182,9 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
       if constexpr (kFp8) {
         // The page's K and V factors travel with its bytes (pages >= one chunk: the host
         // refuses page factors on smaller pages).
-        if (a.page_scales != nullptr && lane == 0) {
-          const float* f = a.page_scales + static_cast<int64_t>(page0) * 2 * a.num_kv_heads + a.scale_head;
-          const uint32_t s_dst = smem_addr(wscale + (j % C::kStages) * 2);
+        if (a.page_scales != nullptr && lane < kSub) {
+          const float* f = a.page_scales + static_cast<int64_t>(pg.id[lane]) * 2 * a.num_kv_heads + a.scale_head;
+          const uint32_t s_dst = smem_addr(wscale + ((j % C::kStages) * kSub + lane) * 2);
           cp_async4(s_dst, f);
           cp_async4(s_dst + 4, f + a.num_kv_heads);
         }
@@ -185,7 +203,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
   for (int rh = 0; rh < kRows; ++rh) m_run[rh] = -INFINITY, l_run[rh] = 0.f;
 
 #pragma unroll
-  for (int j = 0; j < C::kStages - 1; ++j) issue(j, chunk_page(j));
+  for (int j = 0; j < C::kStages - 1; ++j) issue(j, chunk_pages(j));
 
   // Q as A fragments (register khalf * kRows + rh holds row gid + 8 rh, columns
   // 16k + 8 khalf + 2 t4 ..+1; zero past G), loaded after the first KV copies are in
@@ -219,28 +237,33 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
   }
 
   for (int j = 0; j < my_chunks; ++j) {
-    const int next_page = chunk_page(j + C::kStages - 1);
+    const Pages next_pages = chunk_pages(j + C::kStages - 1);
     cp_async_wait<C::kStages - 2>();
     __syncwarp();
     const uint32_t k_s = wbase_s + (j % C::kStages) * C::kStageBytes;
     const uint32_t v_s = k_s + C::kHalfBytes;
 
-    float s[2][kAcc];
+    float s[kNB][kAcc];
 #pragma unroll
-    for (int n = 0; n < 2; ++n)
+    for (int n = 0; n < kNB; ++n)
 #pragma unroll
       for (int e = 0; e < kAcc; ++e) s[n][e] = 0.f;
     if constexpr (kFp8) {
-      // Matrices: tokens 0-7 / 8-15 of pieces k and k + 1 (a piece = one 16-dim k-step).
+      // Matrices: tokens 0-7 / 8-15 of sub-chunk h, pieces k and k + 1 (a piece = one
+      // 16-dim k-step); S blocks 2h, 2h + 1.
       const int tok = (lane & 7) + (((lane >> 3) & 1) << 3), hi = lane >> 4;
 #pragma unroll
       for (int k = 0; k < D / 16; k += 2) {
-        uint32_t b[4];
-        ldsm_x4(k_s + C::offset(tok, k + hi), b);
         if constexpr (C::kQInSmem) q_frag(k, qa[0]), q_frag(k + 1, qa[1]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          Mma<M>::run(s[i & 1], q_at(k + (i >> 1)), e4m3x2_to_f16x2(b[i], false), e4m3x2_to_f16x2(b[i], true));
+        for (int h = 0; h < kSub; ++h) {
+          uint32_t b[4];
+          ldsm_x4(k_s + C::offset(kChunk * h + tok, k + hi), b);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            Mma<M>::run(s[2 * h + (i & 1)], q_at(k + (i >> 1)), e4m3x2_to_f16x2(b[i], false),
+                        e4m3x2_to_f16x2(b[i], true));
+        }
       }
     } else {
       const int tok = (lane & 7) + ((lane >> 4) << 3), hi = (lane >> 3) & 1;
@@ -253,26 +276,30 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
         Mma<T>::run(s[1], q_at(k), b[2], b[3]);
       }
     }
-    const int tok0 = a.t_begin + (warp + j * kWarps) * kChunk;
-    float qk_scale = kFp8 ? a.scale_log2 * kFp8Unit : a.scale_log2, p_scale = 1.f;
-    if constexpr (kFp8) {
-      if (a.page_scales != nullptr) {
-        const float* f = wscale + (j % C::kStages) * 2;
-        qk_scale *= f[0];
-        p_scale = f[1];
+    const int tok0 = a.t_begin + (warp + j * kWarps) * kStep;
+    float qk_scale[kSub], p_scale[kSub];  // per sub-chunk: its page's factors (FP8)
+#pragma unroll
+    for (int h = 0; h < kSub; ++h) {
+      qk_scale[h] = kFp8 ? a.scale_log2 * kFp8Unit : a.scale_log2, p_scale[h] = 1.f;
+      if constexpr (kFp8) {
+        if (a.page_scales != nullptr) {
+          const float* f = wscale + ((j % C::kStages) * kSub + h) * 2;
+          qk_scale[h] *= f[0];
+          p_scale[h] = f[1];
+        }
       }
     }
-    uint32_t pa[kAcc];
+    uint32_t pa[kSub][kAcc];  // P of sub-chunk h: the A operand of its P V k-step
 #pragma unroll
     for (int rh = 0; rh < kRows; ++rh) {
       float mx = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
+      for (int n = 0; n < kNB; ++n)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int t = tok0 + n * 8 + 2 * t4 + e;
           float& x = s[n][2 * rh + e];
-          x = t < a.valid_end ? x * qk_scale : -INFINITY;
+          x = t < a.valid_end ? x * qk_scale[n / 2] : -INFINITY;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
@@ -283,10 +310,11 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
       m_run[rh] = m_new;
       float psum = 0.f;
 #pragma unroll
-      for (int n = 0; n < 2; ++n) {
+      for (int n = 0; n < kNB; ++n) {
         const float p0 = exp2f(s[n][2 * rh] - m_use), p1 = exp2f(s[n][2 * rh + 1] - m_use);
         psum += p0 + p1;
-        pa[n * kRows + rh] = kFp8 ? Mma<M>::pack(p0 * p_scale, p1 * p_scale) : Mma<M>::pack(p0, p1);
+        const float ps = p_scale[n / 2];
+        pa[n / 2][(n & 1) * kRows + rh] = kFp8 ? Mma<M>::pack(p0 * ps, p1 * ps) : Mma<M>::pack(p0, p1);
       }
       l_run[rh] = l_run[rh] * alpha + psum;
 #pragma unroll
@@ -300,27 +328,30 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
       // (2t4, 2t4 + 1) x dims (2gid, 2gid + 1) of its piece, split into even and odd dims.
       const int tok = (lane & 7) + (((lane >> 3) & 1) << 3), hi = lane >> 4;
 #pragma unroll
-      for (int c = 0; c < D / 16; c += 2) {
-        uint32_t b[4];
-        ldsm_x4_trans(v_s + C::offset(tok, c + hi), b);
+      for (int c = 0; c < D / 16; c += 2)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) b[i] = __byte_perm(b[i], 0, 0x3120);
+        for (int h = 0; h < kSub; ++h) {
+          uint32_t b[4];
+          ldsm_x4_trans(v_s + C::offset(kChunk * h + tok, c + hi), b);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)  // block 2(c + i/2) + parity(i & 1)
-          Mma<M>::run(o[2 * c + i], pa, e4m3x2_to_f16x2(b[i & 2], i & 1), e4m3x2_to_f16x2(b[(i & 2) + 1], i & 1));
-      }
+          for (int i = 0; i < 4; ++i) b[i] = __byte_perm(b[i], 0, 0x3120);
+#pragma unroll
+          for (int i = 0; i < 4; ++i)  // block 2(c + i/2) + parity(i & 1)
+            Mma<M>::run(o[2 * c + i], pa[h], e4m3x2_to_f16x2(b[i & 2], i & 1),
+                        e4m3x2_to_f16x2(b[(i & 2) + 1], i & 1));
+        }
     } else {
       const int tok = (lane & 7) + (((lane >> 3) & 1) << 3), hi = lane >> 4;
 #pragma unroll
       for (int jd = 0; jd < D / 16; ++jd) {
         uint32_t b[4];
         ldsm_x4_trans(v_s + C::offset(tok, 2 * jd + hi), b);
-        Mma<T>::run(o[2 * jd], pa, b[0], b[1]);
-        Mma<T>::run(o[2 * jd + 1], pa, b[2], b[3]);
+        Mma<T>::run(o[2 * jd], pa[0], b[0], b[1]);
+        Mma<T>::run(o[2 * jd + 1], pa[0], b[2], b[3]);
       }
     }
     __syncwarp();  // every lane is done with this stage before it is refilled
-    issue(j + C::kStages - 1, next_page);
+    issue(j + C::kStages - 1, next_pages);
   }
   cp_async_wait<0>();
 #pragma unroll

@@ -7,7 +7,7 @@ namespace pkv {
 namespace {
 
 template <typename T, int D, int kRows, bool kFp8>
-__global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
+__global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
   using C = AttendCfg<D, kFp8>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_inc[kGraphMaxRows];  // inclusive prefix sum of tiles over rows
