@@ -1,7 +1,7 @@
 // PersistentKV v4 decode: device-decided splits, one launch, last-CTA merge (graph_decode.h).
 #include "graph_decode.h"
 
-#include "attend.cuh"
+#include "attend_fp8.cuh"
 
 namespace pkv {
 namespace {
@@ -120,12 +120,16 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.out_scale = p.v_scale;
 
     T* out = reinterpret_cast<T*>(p.out) + qo;
+    auto attend = [&](auto&& emit) {
+      if constexpr (kFp8) attend_range_fp8<T, D, kRows>(a, smem, emit);
+      else attend_range<T, D, kRows>(a, smem, emit);
+    };
     if (j0 == j1) {
-      attend_range<T, D, kRows, kFp8>(a, smem, [&](int e, int, float a0, float a1, float, float den) {
+      attend([&](int e, int, float a0, float a1, float, float den) {
         Mma<T>::store2(out + e, a0 / den, a1 / den);
       });
     } else {
-      attend_range<T, D, kRows, kFp8>(a, smem, [&](int e, int hh, float a0, float a1, float mx, float den) {
+      attend([&](int e, int hh, float a0, float a1, float mx, float den) {
         *reinterpret_cast<float2*>(part_acc + static_cast<int64_t>(slot) * G * D + e) = make_float2(a0, a1);
         if (e % D == 0) {
           part_m[slot * G + hh] = mx;

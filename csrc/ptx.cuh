@@ -34,6 +34,13 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t addr, uint32_t (&r)[4]) {
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// Transpose of an 8x8 b16 matrix held one row pair per lane (the mma fragment layout).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(r) : "r"(x));
+  return r;
+}
+
 // mma.sync m16n8k16 with FP32 accumulators. kRows = 1: only A/C rows 0..7 are live (a
 // GQA group of <= 8 query heads; rows 8..15 are zero in, discarded out, and cost no
 // registers); kRows = 2: all 16 rows (groups of 9..16).

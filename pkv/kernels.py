@@ -17,7 +17,7 @@ import torch
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = ("binding.cpp", "pkv_decode.cu", "graph_decode.cu", "roofline.cu")
-HEADERS = ("pkv_decode.h", "graph_decode.h", "roofline.h", "ptx.cuh", "state.cuh", "attend.cuh")
+HEADERS = ("pkv_decode.h", "graph_decode.h", "roofline.h", "ptx.cuh", "state.cuh", "attend.cuh", "attend_fp8.cuh")
 
 
 def arch_flags(major: int, minor: int) -> list[str]:
