@@ -10,6 +10,7 @@ PersistentKV, all in one process. Parquet only; the table and figure come from t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -183,6 +184,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
     ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
     ap.add_argument("--cases", default="", help="comma-separated case names to keep (default: every case)")
+    ap.add_argument("--page-size", type=int, default=0, help="run every case at this page size (default: the case's)")
     ap.add_argument("--engines", default="pkv-graph," + ",".join(FLASHINFER),
                     help="engines; name[key=value;...] sets options, e.g. pkv-graph[min_tiles=4]")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
@@ -220,6 +222,8 @@ def run(args, command: str) -> int:
         if missing:
             raise ValueError(f"--cases: no case named {missing} in the chosen suites")
         cases = [c for c in cases if c.name in keep]
+    if args.page_size:
+        cases = [dataclasses.replace(c, page_size=args.page_size) for c in cases]
     probes = read_roofline()
     roofline = probes["roofline"]
     print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
