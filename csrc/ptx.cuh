@@ -15,8 +15,22 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 
 // 16-byte async copy; src_bytes == 0 zero-fills (tokens past the task's range), so
 // shared memory never holds stale values that could turn 0 * x into NaN.
+// PKV_L2_PREFETCH (a build knob, pkv/kernels.py): 0, or 64 / 128 / 256 to ask L2 to fetch
+// that many bytes around each miss.
+#ifndef PKV_L2_PREFETCH
+#define PKV_L2_PREFETCH 0
+#endif
+#if PKV_L2_PREFETCH == 256
+#define PKV_CP_ASYNC_CG "cp.async.cg.shared.global.L2::256B"
+#elif PKV_L2_PREFETCH == 128
+#define PKV_CP_ASYNC_CG "cp.async.cg.shared.global.L2::128B"
+#elif PKV_L2_PREFETCH == 64
+#define PKV_CP_ASYNC_CG "cp.async.cg.shared.global.L2::64B"
+#else
+#define PKV_CP_ASYNC_CG "cp.async.cg.shared.global"
+#endif
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  asm volatile(PKV_CP_ASYNC_CG " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 // 4-byte async copy (through L1: .cg takes 16 bytes only); used for the FP8 page scales.
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
