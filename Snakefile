@@ -29,6 +29,7 @@ include: "workflow/rules/kernels.smk"
 include: "workflow/rules/model.smk"
 include: "workflow/rules/host.smk"
 include: "workflow/rules/router.smk"
+include: "workflow/rules/fp8.smk"
 
 
 rule all:

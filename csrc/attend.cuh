@@ -19,10 +19,10 @@
 
 // Build-time knobs (PKV_NVCC_FLAGS in pkv/kernels.py), for measuring alternatives.
 #ifndef PKV_FP8_SUB
-#define PKV_FP8_SUB 2
+#define PKV_FP8_SUB 1
 #endif
 #ifndef PKV_FP8_STAGES
-#define PKV_FP8_STAGES (PKV_FP8_SUB == 1 ? 4 : 3)
+#define PKV_FP8_STAGES 3
 #endif
 
 namespace pkv {

@@ -36,7 +36,7 @@ from pkv.timing import L2_FLUSH_BYTES, Timer  # noqa: F401 - both were defined h
 # Column -> dtype of every measurement row (docs/schema.md explains each).
 COLUMNS = {
     "stage": "string", "trace": "string", "family": "string", "max_active": "int32", "seed": "int64",
-    "engine": "string", "route": "string", "split": "int32", "group": "int32", "layers": "int32",
+    "engine": "string", "route": "string", "split": "int32", "group": "int32", "layers": "int32", "kv_dtype": "string",
     "step": "int32", "active": "int32", "total_tokens": "int64", "max_len": "int32",
     "wall_s": "float64", "cuda_s": "float64", "graph_s": "float64", "estimate_s": "float64", "route_s": "float64",
     "max_abs_err": "float64", "mean_abs_err": "float64", "ref_max_abs_err": "float64", "ref_mean_abs_err": "float64",
@@ -132,19 +132,21 @@ def measure(
         samples = {label: [timer.timed(engines[label], state, q) for _ in range(repeats)] for label in order}
         for label in order:
             plan = samples[label][-1][0]
-            rows.append(_row(job, state, label, plan, errs[label],
+            rows.append(_row(job, state, label, cache.shape.kv_dtype, plan, errs[label],
                              statistics.median(s[1] for s in samples[label]),
                              statistics.median(s[2] for s in samples[label]),
                              timer.graph_time(label, engines[label], q, plan)))
     return pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)
 
 
-def _row(job: Job, state: StepState, label: str, plan, errs, wall: float, cuda: float, graph: float) -> dict:
+def _row(job: Job, state: StepState, label: str, kv_dtype: str, plan, errs, wall: float, cuda: float,
+         graph: float) -> dict:
     # An adaptive plan's counters are those of the route it chose.
     counters = getattr(plan, "inner", plan).counters
     row = {
         "stage": job.stage, "trace": job.trace, "family": job.family, "max_active": job.max_active, "seed": job.seed,
         "engine": label, "route": plan.route, "split": job.split, "group": job.group, "layers": job.layers,
+        "kv_dtype": kv_dtype,
         "step": state.step, "active": state.active, "total_tokens": int(np.sum(state.seq_lens, dtype=np.int64)),
         "max_len": int(np.max(state.seq_lens)), "wall_s": wall, "cuda_s": cuda, "graph_s": graph,
         "estimate_s": getattr(plan, "estimate_s", math.nan), "route_s": getattr(plan, "route_s", math.nan),

@@ -180,7 +180,8 @@ def validate_config(cfg: dict, schema: dict, source: str = "config") -> None:
 def _points_used(cfg: dict) -> list[tuple[str, dict]]:
     a = cfg["ablations"]
     used = [(f"ablations.split_sensitivity.points[{i}]", p) for i, p in enumerate(a["split_sensitivity"]["points"])]
-    used += [(f"ablations.{n}", a[n]) for n in ("b4_sweep", "gqa_sweep", "raggedness", "implementation")]
+    used += [(f"ablations.{n}", a[n]) for n in ("b4_sweep", "gqa_sweep", "raggedness", "implementation", "kv_fp8")
+             if n in a]
     used += [("mlp_proxy", cfg["mlp_proxy"]), ("external.operating_point", cfg["external"]["operating_point"]),
              ("nsight_capture", cfg["nsight_capture"])]
     return used

@@ -70,9 +70,9 @@ def external_trace(cfg: dict, path: str | Path) -> Trace:
                       transform=Transform(c["prompt_scale"], max_len=c["max_len"], max_requests=c["max_requests"]))
 
 
-def build_cache(cfg: dict, trace: Trace, shape: Shape, holes: float, seed: int) -> PagedCache:
+def build_cache(cfg: dict, trace: Trace, shape: Shape, holes: float, seed: int, fp8_policy: str = "tensor") -> PagedCache:
     assignment = assign_pages(trace.total_len, shape.page_size, holes, seed)
-    return PagedCache.random(shape, assignment, device_of(cfg), seed)
+    return PagedCache.random(shape, assignment, device_of(cfg), seed, fp8_policy=fp8_policy)
 
 
 def steps_of(trace: Trace, max_active: int, max_steps: int) -> list[StepState]:
@@ -89,9 +89,9 @@ def _meta(trace: Trace, **extra) -> dict:
 
 def _run(cfg: dict, job: Job, trace: Trace, shape: Shape, specs: list[str], k: Constants, point: str, *,
          split: int | None = None, holes: float | None = None, max_steps: int | None = None, repeats: int = 1,
-         reference_every: int | None = None, tail=None) -> pd.DataFrame:
+         reference_every: int | None = None, tail=None, fp8_policy: str = "tensor") -> pd.DataFrame:
     m = cfg["measure"]
-    cache = build_cache(cfg, trace, shape, m["holes"] if holes is None else holes, job.seed)
+    cache = build_cache(cfg, trace, shape, m["holes"] if holes is None else holes, job.seed, fp8_policy)
     engines = build_engines(specs, cache, k, point, split)
     tail_fn = tail(cache) if tail else None
     steps = steps_of(trace, job.max_active, max_steps or m["max_steps"])
@@ -176,6 +176,35 @@ def gqa_sweep(cfg: dict, k: Constants, group: int) -> Result:
     frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k,
                  point_key(c["family"], c["max_active"]), max_steps=c["max_steps"])
     return frame, _meta(trace, group=group, num_kv_heads=shape.num_kv_heads)
+
+
+# The FP8 KV ablation when config.yaml names none (ablations.kv_fp8 there overrides it; a
+# config that does is a new run, so the committed reference run's config is unchanged).
+KV_FP8 = {"paper": {"family": "bimodal", "max_active": 8, "max_steps": 32, "policy": "tensor",
+                    "engines": ["flashinfer", "flashinfer-tc", "pkv-graph"]},
+          "smoke": {"family": "bimodal", "max_active": 8, "max_steps": 4, "policy": "tensor",
+                    "engines": ["reference", "pkv-graph"]}}
+
+
+def kv_fp8(cfg: dict, k: Constants, seed: int) -> Result:
+    """FP8 KV ablation: one held-out trace served from a 16-bit cache, then from the same
+    values quantized to e4m3 (`policy` scales), by every engine of the ablation; rows say
+    which in `kv_dtype`."""
+    c = cfg["ablations"].get("kv_fp8", KV_FP8[cfg["profile"]])
+    specs = _with_baselines(cfg, c["engines"])
+    fp8 = set(registry.names()) - {n for n, e in registry.ENGINES.items() if not e.fp8}
+    refused = [s for s in specs if parse_engine(s)[0] not in fp8]
+    if refused:
+        raise ValueError(f"ablations.kv_fp8.engines (with baselines): {refused} do not read an FP8 KV cache; "
+                         f"those that do: {sorted(fp8)}")
+    trace = synthetic_trace(cfg, c["family"], seed)
+    frames = []
+    for kv in ("auto", "fp8"):
+        shape = dataclasses.replace(shape_of(cfg), kv_dtype=kv)
+        job = Job("kv_fp8", trace.name, c["family"], c["max_active"], seed, shape.group)
+        frames.append(_run(cfg, job, trace, shape, specs, k, point_key(c["family"], c["max_active"]),
+                           max_steps=c.get("max_steps"), fp8_policy=c["policy"]))
+    return pd.concat(frames, ignore_index=True), _meta(trace, fp8_policy=c["policy"])
 
 
 def ablation(cfg: dict, k: Constants, name: str, seed: int) -> Result:

@@ -52,6 +52,9 @@ def add_commands(sub) -> None:
         p = msub.add_parser(name, help=f"the {name} ablation on one seed")
         _common(p)
         p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("kv-fp8", help="the FP8 KV ablation (16-bit and e4m3 cache, same trace) on one seed")
+    _common(p)
+    p.add_argument("--seed", type=int, required=True)
     p = msub.add_parser("mlp-proxy", help="Table 3: attention + gated MLP tail on one seed")
     _common(p)
     p.add_argument("--seed", type=int, required=True)
@@ -145,6 +148,8 @@ def measure_cmd(args) -> int:
         frame, meta = stages.gqa_sweep(cfg, k, args.group)
     elif args.stage in ("raggedness", "implementation"):
         frame, meta = stages.ablation(cfg, k, args.stage, args.seed)
+    elif args.stage == "kv-fp8":
+        frame, meta = stages.kv_fp8(cfg, k, args.seed)
     elif args.stage == "mlp-proxy":
         frame, meta = stages.mlp_proxy(cfg, k, args.seed)
     elif args.stage == "external":
