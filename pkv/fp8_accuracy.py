@@ -122,14 +122,3 @@ def run(args, command: str) -> int:
     print(f"wrote {args.out} ({len(rows)} rows)")
     return 0
 
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pkv.fp8_accuracy", description=__doc__,
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_arguments(ap)
-    args = ap.parse_args(argv)
-    return run(args, "python -m pkv.fp8_accuracy " + " ".join(argv if argv is not None else sys.argv[1:]))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

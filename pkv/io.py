@@ -151,3 +151,21 @@ def read_meta(path: str | Path) -> dict[str, str]:
 
     raw = pq.read_schema(path).metadata or {}
     return {k.decode()[4:]: v.decode() for k, v in raw.items() if k.startswith(b"pkv.")}
+
+
+def read_parquet_checked(path: str | Path, need: set[str], what: str) -> tuple["pd.DataFrame", dict[str, str]]:
+    """A benchmark's Parquet and its metadata; one ValueError line naming the file if it is
+    missing, unreadable or lacks one of the `need` columns."""
+    import pandas as pd
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no {what} Parquet")
+    try:
+        frame = pd.read_parquet(path)
+    except Exception as e:  # pyarrow raises several types for a damaged file
+        raise ValueError(f"{path}: unreadable Parquet ({type(e).__name__}: {e})") from e
+    missing = need - set(frame.columns)
+    if missing:
+        raise ValueError(f"{path}: not a {what} Parquet (missing columns {sorted(missing)})")
+    return frame, read_meta(path)

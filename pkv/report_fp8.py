@@ -12,28 +12,12 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
 import pandas as pd
 
 from pkv import io
 from pkv.ratios import FLASHINFER, mean_sd, num
 
 ENGINE = "pkv-graph"
-
-
-def _read(path: str | Path, need: set[str], what: str) -> tuple[pd.DataFrame, dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no {what} Parquet")
-    try:
-        frame = pd.read_parquet(path)
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise ValueError(f"{path}: unreadable Parquet ({type(e).__name__}: {e})") from e
-    missing = need - set(frame.columns)
-    if missing:
-        raise ValueError(f"{path}: not a {what} Parquet (missing columns {sorted(missing)})")
-    return frame, io.read_meta(path)
 
 
 def _provenance(meta: dict) -> str:
@@ -200,15 +184,19 @@ def main(argv=None) -> int:
     ap.add_argument("parquet", nargs="+", help="the Parquet file(s) (serving: one per held-out seed)")
     ap.add_argument("--table", required=True, help="Markdown file to write")
     args = ap.parse_args(argv)
+    if args.kind != "serving" and len(args.parquet) > 1:
+        raise ValueError(f"report_fp8 {args.kind}: one Parquet file, got {len(args.parquet)}")
     if args.kind == "kernels":
-        (frame, meta), = [_read(p, {"family", "point", "kv_dtype", "fp8_policy", "engine", "graph_us"},
-                                "FP8 kernel benchmark") for p in args.parquet[:1]]
+        frame, meta = io.read_parquet_checked(args.parquet[0], {"family", "point", "kv_dtype", "fp8_policy", "engine",
+                                                                "graph_us"}, "FP8 kernel benchmark")
         text = kernels_table(frame, meta)
     elif args.kind == "accuracy":
-        frame, meta = _read(args.parquet[0], {"data", "kv", "engine", "rel_rms", "error"}, "FP8 accuracy")
+        frame, meta = io.read_parquet_checked(args.parquet[0], {"data", "kv", "engine", "rel_rms", "error"},
+                                              "FP8 accuracy")
         text = accuracy_table(frame, meta)
     else:
-        parts = [_read(p, {"seed", "kv_dtype", "engine", "graph_s", "wall_s"}, "kv_fp8 ablation") for p in args.parquet]
+        parts = [io.read_parquet_checked(p, {"seed", "kv_dtype", "engine", "graph_s", "wall_s"}, "kv_fp8 ablation")
+                 for p in args.parquet]
         commits = {m.get("git_commit") for _, m in parts}
         if len(commits) > 1:
             raise ValueError(f"kv_fp8 Parquets come from different commits {sorted(map(str, commits))}: "

@@ -25,17 +25,8 @@ K = 1024
 
 
 def load(path: str | Path) -> tuple[pd.DataFrame, dict]:
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no kernel benchmark Parquet (run `pkv bench kernels` on a GPU)")
-    try:
-        frame = pd.read_parquet(path)
-    except Exception as e:  # pyarrow raises several types for a damaged file
-        raise ValueError(f"{path}: unreadable Parquet ({type(e).__name__}: {e})") from e
-    missing = {"case", "engine", "graph_us", "bytes", "family", "batch", "max_len"} - set(frame.columns)
-    if missing:
-        raise ValueError(f"{path}: not a kernel benchmark Parquet (missing columns {sorted(missing)})")
-    return frame, io.read_meta(path)
+    return io.read_parquet_checked(path, {"case", "engine", "graph_us", "bytes", "family", "batch", "max_len"},
+                                   "kernel benchmark (`pkv bench kernels` on a GPU)")
 
 
 def fit_b1(frame: pd.DataFrame, engine: str, lo: int = 4 * K, hi: int = 128 * K) -> tuple[float, float]:

@@ -2,12 +2,8 @@
 # The session's last device call (device time left: ~6 minutes): build, the GPU tests of
 # the final tree, `pkv bench host` (issue 13) and the model step (issue 12), each bounded
 # so a slow stage cannot starve the next. Outputs and logs under $OUT.
-set -uo pipefail
-out=${OUT:-gpu_final_out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[[ -f gpu_commit.txt ]] && export PKV_GIT_COMMIT=$(cat gpu_commit.txt)
-T0=$(date +%s); lap() { echo "== $1: $(( $(date +%s) - T0 )) s"; }
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+stages=all
+source "$(dirname "$0")/device_env.sh"
 python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tail -5 || exit 1; lap build
 timeout ${TEST_S:-80} python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_graph.py tests/gpu/test_kernels.py \
   tests/gpu/test_launch_metadata.py 2>&1 | tee "$out/gpu_tests.log" | tail -8; lap gpu-tests

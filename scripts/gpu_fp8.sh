@@ -3,14 +3,8 @@
 # against FlashInfer, the accuracy table's data, an Nsight Compute look at the FP8 kernel.
 # Usage on the device (repo root, after `source .devsite/use-site`): scripts/gpu_fp8.sh [stages]
 # stages: comma list of build,tests,graph,speed,acc,ncu (default build,tests,speed,acc).
-set -uo pipefail
 stages=${1:-build,tests,speed,acc}
-out=${OUT:-gpu_fp8_out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[[ -f gpu_commit.txt ]] && export PKV_GIT_COMMIT=$(cat gpu_commit.txt)
-has() { [[ ",$stages," == *",$1,"* ]]; }
-T0=$(date +%s); lap() { echo "== $1: $(( $(date +%s) - T0 )) s"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"
 if has build; then
   python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tail -30 || exit 1; lap build
 fi
@@ -28,7 +22,7 @@ if has speed; then
   lap speed
 fi
 if has acc; then
-  timeout ${ACC_S:-150} python3 -m pkv.fp8_accuracy --out "$out/fp8_accuracy.parquet" 2>&1 | tee "$out/fp8_accuracy.log" | tail -5
+  timeout ${ACC_S:-150} python3 -m pkv.cli bench fp8-accuracy --out "$out/fp8_accuracy.parquet" 2>&1 | tee "$out/fp8_accuracy.log" | tail -5
   lap accuracy
 fi
 if has ncu; then

@@ -3,14 +3,8 @@
 # against FlashInfer, an Nsight Compute diagnosis, then the v3 regression tests.
 # Usage on the device (repo root, after `source .devsite/use-site`): scripts/gpu_v4.sh [stages]
 # stages: comma list of build,graph,sweep,ncu,v3,full (default build,graph,sweep,ncu,v3).
-set -uo pipefail
 stages=${1:-build,graph,sweep,ncu,v3}
-out=${OUT:-gpu_v4_out}; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-[[ -f gpu_commit.txt ]] && export PKV_GIT_COMMIT=$(cat gpu_commit.txt)
-has() { [[ ",$stages," == *",$1,"* ]]; }
-T0=$(date +%s); lap() { echo "== $1: $(( $(date +%s) - T0 )) s"; }
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv,noheader
+source "$(dirname "$0")/device_env.sh"
 if has build; then
   python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tail -30 || exit 1; lap build
 fi

@@ -22,13 +22,11 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.cache import PagedCache
 from pkv.engines import make_engine
 from pkv.fp8 import E4M3_STEP
-from pkv.paging import assign_pages
 from pkv.reference import attention_reference
 from pkv.shape import Shape
-from test_graph import run_graph, trace_steps
+from test_graph import replay_and_check, replay_case, run_graph
 from test_kernels import TOL, make_case, seed_of
 
 pytestmark = [
@@ -142,29 +140,9 @@ def test_refused_combinations():
 
 
 def test_fp8_graph_replay():
-    """One capture, replayed while rows join and leave, over an FP8 cache with page scales."""
+    """One capture, replayed while rows join and leave, over an FP8 cache with page factors."""
     seed = seed_of("fp8-replay")
-    rng = np.random.default_rng(seed)
-    num_requests, capacity = 24, 12
-    reserved = rng.integers(1, 12 * K, size=num_requests)
-    reserved[:3] = [40 * K, 3, 1]
-    cache16 = PagedCache.random(Shape(16, 4, 128, 16, "float16"), assign_pages(reserved, 16, 0.5, seed),
-                                device="cuda", seed=seed)
+    cache16, steps = replay_case(seed, Shape(16, 4, 128, 16, "float16"))
     cache8 = cache16.quantized("page")
-    engine = make_engine("pkv-graph", cache8, max_rows=capacity)
-    steps = trace_steps(rng, num_requests, reserved, capacity, 16)
-    q_static = cache16.query(capacity, seed)
-    plan = engine.prepare(steps[0], rows=capacity)
-    engine.run(q_static, plan)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_static = engine.run(q_static, plan)
-    for t, step in enumerate(steps):
-        engine.prepare(step, rows=capacity)
-        b = step.active
-        q_static.copy_(cache16.query(capacity, seed + 1000 + t))
-        out_static.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        check_fp8(out_static[:b], cache16, cache8, step, q_static[:b], f"replay step {t} ({b} rows)")
+    replay_and_check(cache8, steps, seed,
+                     lambda t, out, step, q: check_fp8(out, cache16, cache8, step, q, f"replay step {t}"))

@@ -110,30 +110,42 @@ def trace_steps(rng, num_requests, reserved, capacity, num_steps):
                                                   (8, 64, "float16")])
 def test_graph_replay_over_a_trace(group, head_dim, dtype):
     seed = seed_of("replay", group, head_dim, dtype)
+    cache, steps = replay_case(seed, Shape(group * 4, 4, head_dim, 16, dtype))
+    replay_and_check(cache, steps, seed,
+                     lambda t, out, step, q: check(out, reference(cache, step, q), dtype, f"replay step {t}"))
+
+
+REPLAY_CAPACITY = 12
+
+
+def replay_case(seed, shape):
+    """A 24-request cache (one 40K request, two tiny ones) and 16 steps of up to 12 rows over it."""
     rng = np.random.default_rng(seed)
-    num_requests, capacity = 24, 12
-    reserved = rng.integers(1, 12 * K, size=num_requests)
+    reserved = rng.integers(1, 12 * K, size=24)
     reserved[:3] = [40 * K, 3, 1]
-    shape = Shape(group * 4, 4, head_dim, 16, dtype)
     cache = PagedCache.random(shape, assign_pages(reserved, 16, 0.5, seed), device="cuda", seed=seed)
-    engine = make_engine("pkv-graph", cache, max_rows=capacity)
-    steps = trace_steps(rng, num_requests, reserved, capacity, 16)
-    q_static = cache.query(capacity, seed)
-    plan = engine.prepare(steps[0], rows=capacity)
+    return cache, trace_steps(rng, len(reserved), reserved, REPLAY_CAPACITY, 16)
+
+
+def replay_and_check(cache, steps, seed, check_step):
+    """Capture pkv-graph once at the bucket, then replay it for every step with fresh queries
+    and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step."""
+    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY)
+    q_static = cache.query(REPLAY_CAPACITY, seed)
+    plan = engine.prepare(steps[0], rows=REPLAY_CAPACITY)
     engine.run(q_static, plan)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out_static = engine.run(q_static, plan)
     for t, step in enumerate(steps):
-        engine.prepare(step, rows=capacity)
+        engine.prepare(step, rows=REPLAY_CAPACITY)
         b = step.active
-        q_static.copy_(cache.query(capacity, seed + 1000 + t))
+        q_static.copy_(cache.query(REPLAY_CAPACITY, seed + 1000 + t))
         out_static.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        ref = reference(cache, step, q_static[:b])
-        check(out_static[:b], ref, dtype, f"replay step {t} ({b} rows)")
+        check_step(t, out_static[:b], step, q_static[:b])
 
 
 def test_beyond_capacity_is_refused():
