@@ -1,5 +1,5 @@
 // The one torch-facing file: unpacks tensors into pkv::DecodeParams / MergeParams and
-// launches on the current stream. Shape and range checks live in pkv/engines/gpu.py;
+// launches on the current stream. Shape and range checks live in the engines (pkv/engines/);
 // here only what would otherwise be undefined behaviour is checked.
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,6 +1,9 @@
 """`pkv bench kernels`: device time of PersistentKV v4 (`pkv-graph`) against FlashInfer over the serving range.
 
-Cases: homogeneous batch x context grids, ragged mixes, and GQA group x head_dim points.
+Cases: homogeneous batch x context grids, ragged mixes, GQA group x head_dim points, and
+(`--suites fp8`) FP8 points: the same lengths from a 16-bit cache and from e4m3 caches
+with tensor scales and with per-page factors (`kv_dtype`, `fp8_policy`, `point` columns;
+pkv.report_fp8 pairs them).
 For each case and engine: device µs per call by CUDA-graph replay (one graph runs every KV
 copy once; copies rotate so the working set is beyond the L2), the fraction of the read
 roofline on useful K+V bytes, and the ratio of the faster FlashInfer variant to

@@ -32,6 +32,8 @@ def constexpr(name: str) -> int:
     ("kMaxGroup", graph.MAX_GROUP),
     ("kMaxClusterSplits", persistent.MAX_CLUSTER_SPLITS),
     ("kMaxSegSlots", persistent.MAX_SPLITS),
+    ("kFp8MaxHeadDim", max(graph.FP8_HEAD_DIMS)),
+    ("kChunk", graph.PAGE_SCALE_MIN_PAGE),
 ])
 def test_shared_limits(cxx, py):
     assert constexpr(cxx) == py
