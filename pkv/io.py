@@ -153,19 +153,20 @@ def read_meta(path: str | Path) -> dict[str, str]:
     return {k.decode()[4:]: v.decode() for k, v in raw.items() if k.startswith(b"pkv.")}
 
 
-def read_parquet_checked(path: str | Path, need: set[str], what: str) -> tuple["pd.DataFrame", dict[str, str]]:
+def read_parquet_checked(path: str | Path, need: set[str], what: str,
+                         missing_hint: str = "") -> tuple["pd.DataFrame", dict[str, str]]:
     """A benchmark's Parquet and its metadata; one ValueError line naming the file if it is
-    missing, unreadable or lacks one of the `need` columns."""
+    missing (plus `missing_hint`: how to make it), unreadable or lacks a `need` column."""
     import pandas as pd
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"{path}: no {what} Parquet")
+        raise ValueError(f"{path}: no {what} Parquet{missing_hint}")
     try:
         frame = pd.read_parquet(path)
     except Exception as e:  # pyarrow raises several types for a damaged file
         raise ValueError(f"{path}: unreadable Parquet ({type(e).__name__}: {e})") from e
     missing = need - set(frame.columns)
     if missing:
-        raise ValueError(f"{path}: not a {what} Parquet (missing columns {sorted(missing)})")
+        raise ValueError(f"{path}: not the {what} Parquet (missing columns {sorted(missing)})")
     return frame, read_meta(path)

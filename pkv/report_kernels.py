@@ -26,7 +26,7 @@ K = 1024
 
 def load(path: str | Path) -> tuple[pd.DataFrame, dict]:
     return io.read_parquet_checked(path, {"case", "engine", "graph_us", "bytes", "family", "batch", "max_len"},
-                                   "kernel benchmark (`pkv bench kernels` on a GPU)")
+                                   "kernel benchmark", " (run `pkv bench kernels` on a GPU)")
 
 
 def fit_b1(frame: pd.DataFrame, engine: str, lo: int = 4 * K, hi: int = 128 * K) -> tuple[float, float]:

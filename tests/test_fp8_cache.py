@@ -199,3 +199,39 @@ def test_kv_fp8_stage_on_the_cpu(tmp_path):
     assert set(frame.kv_dtype) == {"auto", "fp8"} and set(frame.engine) >= {"reference", "pkv-graph"}
     assert frame.ref_max_abs_err.dropna().max() < cfg["tolerance"]["max_abs"]
     assert meta["fp8_policy"] == "tensor"
+
+
+def test_fp8_reports_refuse_missing_foreign_and_mixed_files(tmp_path):
+    from pkv import io
+    from pkv.report_fp8 import main
+
+    out = tmp_path / "t.md"
+    with pytest.raises(ValueError, match="no FP8 accuracy Parquet"):
+        main(["accuracy", str(tmp_path / "nope.parquet"), "--table", str(out)])
+    foreign = tmp_path / "foreign.parquet"
+    io.write_parquet(pd.DataFrame({"x": [1]}), foreign, {})
+    with pytest.raises(ValueError, match=r"not the FP8 kernel benchmark Parquet \(missing columns"):
+        main(["kernels", str(foreign), "--table", str(out)])
+    rows = pd.DataFrame({"seed": [1], "kv_dtype": ["auto"], "engine": ["pkv-graph"], "graph_s": [1.0],
+                         "wall_s": [1.0], "active": [1]})
+    a, b = tmp_path / "a.parquet", tmp_path / "b.parquet"
+    io.write_parquet(rows, a, {"git_commit": "aaa"})
+    io.write_parquet(rows, b, {"git_commit": "bbb"})
+    with pytest.raises(ValueError, match="different commits"):
+        main(["serving", str(a), str(b), "--table", str(out)])
+    assert not out.exists()
+
+
+def test_kv_fp8_stage_refuses_engines_that_do_not_read_fp8():
+    from pathlib import Path
+
+    import yaml
+
+    from pkv.measure_config import effective
+    from pkv.measure_stages import kv_fp8
+
+    cfg = effective(yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text()), "smoke")
+    cfg["ablations"]["kv_fp8"] = {"family": "bimodal", "max_active": 8, "policy": "tensor",
+                                  "engines": ["pkv-workqueue"]}
+    with pytest.raises(ValueError, match=r"ablations.kv_fp8.engines .*pkv-workqueue.* do not read an FP8 KV cache"):
+        kv_fp8(cfg, None, cfg["seeds"]["heldout"][0])
