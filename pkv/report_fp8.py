@@ -15,7 +15,7 @@ import argparse
 import pandas as pd
 
 from pkv import io
-from pkv.ratios import FLASHINFER, mean_sd, num
+from pkv.ratios import FLASHINFER, mean_sd, num, throughputs
 
 ENGINE = "pkv-graph"
 
@@ -144,8 +144,6 @@ def accuracy_table(frame: pd.DataFrame, meta: dict) -> str:
 
 
 def serving_table(frame: pd.DataFrame, meta: dict) -> str:
-    from pkv.ratios import throughputs
-
     t = throughputs(frame, ["seed", "kv_dtype"])
     fi = t[t.engine.isin(FLASHINFER)]
     best16 = fi[fi.kv_dtype == "auto"].groupby("seed")[["graph_tps", "wall_tps"]].max()

@@ -64,6 +64,7 @@ def info(name: str) -> EngineInfo:
 PKV_ENGINES = {n: ENGINES[n].kind for n in names("pkv")}
 PKV_KINDS = {n: k for n, k in PKV_ENGINES.items() if ENGINES[n].cpu}
 FLASHINFER = names("flashinfer")
+FP8_READERS = tuple(n for n, e in ENGINES.items() if e.fp8)   # the engines that read an FP8 cache
 
 
 def build(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **options):
@@ -71,8 +72,7 @@ def build(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **opt
     e = info(name)
     cuda = cache.kv.is_cuda
     if cache.shape.fp8 and not e.fp8:
-        raise ValueError(f"engine {name!r} does not read an FP8 KV cache; those that do: "
-                         f"{[n for n, i in ENGINES.items() if i.fp8]}")
+        raise ValueError(f"engine {name!r} does not read an FP8 KV cache; those that do: {list(FP8_READERS)}")
     if e.family == "reference":
         from pkv.engines.cpu import ReferenceEngine
 
