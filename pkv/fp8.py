@@ -95,10 +95,9 @@ def write_pages(kv8: torch.Tensor, scales: KvScales, pages: torch.Tensor, values
         raise ValueError(f"values {list(values.shape)} do not fit {pages.numel()} pages of {list(kv8.shape[1:])}")
     x = values.float().to(kv8.device)
     if scales.policy == "page":
+        per = x.abs().amax(dim=(3, 4)).clamp_min(_TINY) / E4M3_MAX   # the pages' own scales
         tensor = torch.tensor([scales.k_scale, scales.v_scale], device=x.device).view(1, 2, 1)
-        factors = (x.abs().amax(dim=(3, 4)) / E4M3_MAX).clamp_min(_TINY / E4M3_MAX) / tensor
-        scales.page_factors[pages] = factors.to(scales.page_factors.device)
-        per = factors * tensor
+        scales.page_factors[pages] = (per / tensor).to(scales.page_factors.device)
     else:
         per = scales.per_page().to(x.device).expand(len(pages), 2, kv8.shape[2])
     kv8[pages] = _to_e4m3(x / per[..., None, None])
