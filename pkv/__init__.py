@@ -12,7 +12,7 @@ __version__ = "0.2.0"
 
 def __getattr__(name: str):
     if name == "Shape":
-        from pkv.shape import Shape
+        from pkv.core.shape import Shape
 
         return Shape
     raise AttributeError(f"module 'pkv' has no attribute {name!r}")

@@ -4,8 +4,8 @@ import numpy as np
 import torch
 
 from pkv.engines import make_engine
-from pkv.harness import StepState
-from pkv.kernel_sweep import K, SweepCase, build_caches
+from pkv.core.harness import StepState
+from pkv.bench.kernels import K, SweepCase, build_caches
 
 for lens, kv in (((32 * K,) * 8, "fp8"), ((128 * K,), "fp8"), ((32 * K,) * 8, "auto")):
     case = SweepCase("diag", "diag", lens, kv_dtype=kv, fp8_policy="tensor" if kv == "fp8" else "")

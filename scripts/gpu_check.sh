@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,power.draw --fo
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda, torch.cuda.get_device_name())"
 
 t0=$(date +%s)
-python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tee "$out/logs/build.log" || exit 1
+python3 -c "from pkv.kernels.loader import ops; ops(); print('kernels built')" 2>&1 | tee "$out/logs/build.log" || exit 1
 echo "build: $(( $(date +%s) - t0 )) s"
 
 if [[ $stage == test || $stage == all ]]; then

@@ -9,10 +9,10 @@ import statistics
 
 import torch
 
-from pkv.bench import Case, Workload, read_roofline
+from pkv.bench.splits import Case, Workload, read_roofline
 from pkv.engines import make_engine
-from pkv.schedule import SplitPolicy
-from pkv.timing import events_us
+from pkv.plan.schedule import SplitPolicy
+from pkv.measure.timing import events_us
 
 
 def graph_us(fns, reps=30):

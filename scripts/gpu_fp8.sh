@@ -6,7 +6,7 @@
 stages=${1:-build,tests,speed,acc}
 source "$(dirname "$0")/device_env.sh"
 if has build; then
-  python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tail -30 || exit 1; lap build
+  python3 -c "from pkv.kernels.loader import ops; ops(); print('kernels built')" 2>&1 | tail -30 || exit 1; lap build
 fi
 if has tests; then
   timeout ${TESTS_S:-200} python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8.py 2>&1 | tee "$out/fp8_tests.log" | tail -30
@@ -17,7 +17,7 @@ if has graph; then
   lap graph-tests
 fi
 if has speed; then
-  timeout ${SPEED_S:-300} python3 -m pkv.kernel_sweep --suites fp8 --reps ${REPS:-15} --out "$out/fp8_sweep.parquet" \
+  timeout ${SPEED_S:-300} python3 -m pkv.bench.kernels --suites fp8 --reps ${REPS:-15} --out "$out/fp8_sweep.parquet" \
     --engines "${SPEED_ENGINES:-pkv-graph,flashinfer,flashinfer-tc}" 2>&1 | tee "$out/fp8_sweep.log" | grep -v flashinfer.jit | tail -70
   lap speed
 fi
@@ -28,6 +28,6 @@ fi
 if has ncu; then
   timeout 150 ncu --clock-control none --csv -k regex:graph_decode --launch-skip 4 --launch-count 6 \
     --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed_pipe_tensor.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,smsp__average_warp_latency_issue_stalled_barrier,launch__registers_per_thread \
-    python3 -m pkv.kernel_sweep --suites fp8 --reps 2 --engines pkv-graph --out "$out/ncu_sweep.parquet" > "$out/ncu.csv" 2> "$out/ncu.err"
+    python3 -m pkv.bench.kernels --suites fp8 --reps 2 --engines pkv-graph --out "$out/ncu_sweep.parquet" > "$out/ncu.csv" 2> "$out/ncu.err"
   echo "ncu rc $?"; tail -3 "$out/ncu.err"; lap ncu
 fi

@@ -17,7 +17,7 @@ config=${CONFIG:-results/config.json}; constants=${CONSTANTS:-results/calibratio
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
 python3 -c "import torch, flashinfer; print('torch', torch.__version__, torch.version.cuda, 'flashinfer', flashinfer.__version__)"
 t0=$(date +%s)
-python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tee "$out/logs/build.log" | tail -3
+python3 -c "from pkv.kernels.loader import ops; ops(); print('kernels built')" 2>&1 | tee "$out/logs/build.log" | tail -3
 echo "build: $(( $(date +%s) - t0 )) s"
 
 for stage in "${stages[@]}"; do

@@ -6,19 +6,19 @@
 stages=${1:-build,graph,sweep,ncu,v3}
 source "$(dirname "$0")/device_env.sh"
 if has build; then
-  python3 -c "from pkv.kernels import ops; ops(); print('kernels built')" 2>&1 | tail -30 || exit 1; lap build
+  python3 -c "from pkv.kernels.loader import ops; ops(); print('kernels built')" 2>&1 | tail -30 || exit 1; lap build
 fi
 if has graph; then
   timeout 240 python3 -m pytest -x -q -p no:cacheprovider tests/gpu/test_graph.py 2>&1 | tee "$out/graph_tests.log" | tail -25
   grep -q " failed" "$out/graph_tests.log" && { echo "graph tests failed: stopping"; exit 1; }; lap graph-tests
 fi
 if has sweep; then
-  timeout ${SWEEP_S:-240} python3 -m pkv.kernel_sweep --quick --reps 15 --out "$out/quick.parquet" \
+  timeout ${SWEEP_S:-240} python3 -m pkv.bench.kernels --quick --reps 15 --out "$out/quick.parquet" \
     --engines "${SWEEP_ENGINES:-pkv-graph,pkv-graph[min_tiles=8],pkv-graph[ctas_per_sm=1],pkv-workqueue[splits=16],pkv-workqueue[splits=32],flashinfer,flashinfer-tc,flashinfer-persistent}" \
     2>&1 | tee "$out/sweep.log" | grep -v "^  " | tail -60; lap sweep
 fi
 if has full; then
-  timeout ${SWEEP_S:-420} python3 -m pkv.kernel_sweep --out "$out/sweep.parquet" \
+  timeout ${SWEEP_S:-420} python3 -m pkv.bench.kernels --out "$out/sweep.parquet" \
     --engines "${FULL_ENGINES:-pkv-graph,pkv-graph[min_tiles=2],pkv-workqueue[splits=16],pkv-workqueue[splits=32],flashinfer,flashinfer-tc,flashinfer-persistent}" \
     2>&1 | tee "$out/sweep_full.log" | grep -v "^  " | grep -v flashinfer.jit | tail -30
   lap full-sweep

@@ -5,7 +5,7 @@
 
 Measured values (beta, SM count, the host's launch overhead) are kept; the operating
 points, their host times, C_min, lambda, the baselines' CTAs and H_r are refitted with
-pkv.calibrate.fit_constants, as `pkv calibrate` would from the same sweep.
+pkv.measure.calibrate.fit_constants, as `pkv calibrate` would from the same sweep.
 """
 
 import json
@@ -13,9 +13,9 @@ import sys
 
 import pandas as pd
 
-from pkv.calibrate import fit_constants
-from pkv.io import atomic_write_text
-from pkv.measure_config import load_config, shape_of
+from pkv.measure.calibrate import fit_constants
+from pkv.core.io import atomic_write_text
+from pkv.config.resolve import load_config, shape_of
 
 
 def main(constants: str, raw: str, config: str, out: str) -> None:

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from pkv.engines import make_engine
-from pkv.harness import StepState
-from pkv.kernel_sweep import SweepCase, build_caches
-from pkv.schedule import SplitPolicy
+from pkv.core.harness import StepState
+from pkv.bench.kernels import SweepCase, build_caches
+from pkv.plan.schedule import SplitPolicy
 
 K = 1024
 CASES = [SweepCase("diag", "B1 8K", (8 * K,)), SweepCase("diag", "B1 32K", (32 * K,)),

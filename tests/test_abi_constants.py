@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from pkv.device_schedule import GRAPH_MAX_ROWS
+from pkv.plan.device_schedule import GRAPH_MAX_ROWS
 from pkv.engines import graph, persistent
-from pkv.schedule import TILE_TOKENS
+from pkv.plan.schedule import TILE_TOKENS
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = {p.name: p.read_text() for p in sorted(CSRC.glob("*")) if p.suffix in (".h", ".cuh", ".cu", ".cpp")}

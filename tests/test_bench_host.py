@@ -6,11 +6,11 @@ import json
 import pandas as pd
 import yaml
 
-from pkv import io
-from pkv.bench_host import markdown, nearest_point
-from pkv.cli import main
-from pkv.costmodel import Constants
-from pkv.measure_config import effective, write_config
+from pkv.core import io
+from pkv.bench.host import markdown, nearest_point
+from pkv.cli.main import main
+from pkv.plan.costmodel import Constants
+from pkv.config.resolve import effective, write_config
 
 
 def _constants(path):

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.cli import main
+from pkv.cli.main import main
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
 

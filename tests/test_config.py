@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pkv.io import write_parquet
-from pkv.measure_config import ConfigError, check_config, coerce, config_hash, effective, load_config
+from pkv.core.io import write_parquet
+from pkv.config.resolve import ConfigError, check_config, coerce, config_hash, effective, load_config
 from worktree import REPO, copy_worktree
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -132,7 +132,7 @@ def test_nsight_parse_refuses_constants_of_another_config(frozen, tmp_path):
 def test_constants_carry_the_config_hash_and_parquet_both(tmp_path):
     # The committed reference run: every measuring file names the frozen config's hash
     # and the constants file's, and the constants name the config's.
-    from pkv.io import file_hash, read_meta
+    from pkv.core.io import file_hash, read_meta
 
     root = REPO / "results"
     cfg = json.loads((root / "config.json").read_text())

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import pkv
-from pkv.cli import COMMANDS, build_parser
+from pkv.cli.main import COMMANDS, build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,8 +86,7 @@ def test_serving_ratio_figure_is_legible(tmp_path):
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    from pkv import report_figures
-
+    from pkv.report import figures as report_figures
     frame = _serve_frame()
     png = report_figures.draw("serving_ratios", frame, smoke=False)   # also sets the theme
     (tmp_path / "serving_ratios.png").write_bytes(png)

@@ -7,17 +7,17 @@ import pandas as pd
 import pytest
 import torch
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkv.costmodel import (Constants, RouteCost, baseline_cost, bucket_cost, choose, eligible, estimate,
+from pkv.plan.costmodel import (Constants, RouteCost, baseline_cost, bucket_cost, choose, eligible, estimate,
                            workqueue_cost)
 from pkv.engines import make_engine
-from pkv.harness import StepState
-from pkv.paging import assign_pages
-from pkv.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
-from pkv.shape import Shape
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.plan.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
+from pkv.core.shape import Shape
 
 H200_LIKE = Constants(
     device="constructed", beta=4.0e12, launch_s=5e-6, sm_count=132, c_min=4.0,
@@ -61,7 +61,7 @@ def test_host_time_promotes_a_route_that_only_ties_on_device_time():
 
 
 def test_calibrated_host_time_is_the_median_outside_the_device_span():
-    from pkv.calibrate import fit_host_s
+    from pkv.measure.calibrate import fit_host_s
 
     frame = pd.DataFrame({
         "engine": ["flashinfer"] * 3 + ["pkv-workqueue"] * 3,

@@ -1,4 +1,4 @@
-"""The v4 kernel's device-side split rule (pkv.device_schedule), checked on the CPU.
+"""The v4 kernel's device-side split rule (pkv.plan.device_schedule), checked on the CPU.
 
 The kernel (csrc/graph_decode.cu) and this module implement one rule; these tests pin its
 properties: every token of every row read exactly once, ranges balanced to one tile,
@@ -14,14 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.cache import PagedCache
-from pkv.device_schedule import GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule
+from pkv.core.cache import PagedCache
+from pkv.plan.device_schedule import GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule
 from pkv.engines import make_engine
-from pkv.harness import StepState
-from pkv.paging import assign_pages
-from pkv.reference import attention_reference
-from pkv.schedule import TILE_TOKENS, num_tiles
-from pkv.shape import Shape
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.kernels.reference import attention_reference
+from pkv.plan.schedule import TILE_TOKENS, num_tiles
+from pkv.core.shape import Shape
 
 CASES = {
     "B1 8K": [8192], "B1 1": [1], "odd": [31, 33, 1000, 7], "padding": [0, 5000, 0, 17, 0],

@@ -49,7 +49,7 @@ def test_every_dependency_is_in_the_env_and_inside_pyprojects_range():
 
 
 def test_env_pins_the_versions_the_reference_run_used():
-    from pkv.io import read_meta
+    from pkv.core.io import read_meta
 
     meta = read_meta(next((ROOT / "results" / "raw" / "serve").glob("*.parquet")))
     pins = _pins()

@@ -10,13 +10,13 @@ import pandas as pd
 import pytest
 import torch
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from pkv.engines import make_engine
-from pkv.fp8 import E4M3, E4M3_MAX, E4M3_STEP, KvScales, dequantize, quantize, write_pages
-from pkv.harness import StepState
-from pkv.paging import assign_pages
-from pkv.reference import attention_reference
-from pkv.shape import Shape
+from pkv.core.fp8 import E4M3, E4M3_MAX, E4M3_STEP, KvScales, dequantize, quantize, write_pages
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.kernels.reference import attention_reference
+from pkv.core.shape import Shape
 
 
 def kv(seed=0, pages=6, heads=2, page=16, d=32, scale=1.0):
@@ -151,7 +151,7 @@ def test_engines_that_do_not_read_fp8_refuse():
 
 
 def test_kernel_table_pairs_points():
-    from pkv.report_fp8 import kernel_summary, kernels_table
+    from pkv.report.fp8 import kernel_summary, kernels_table
 
     rows = []
     for point, batch, length in (("B1 32K", 1, 32768), ("B8 32K", 8, 32768)):
@@ -171,7 +171,7 @@ def test_kernel_table_pairs_points():
 
 
 def test_accuracy_table_lists_every_cell_and_refusals():
-    from pkv.report_fp8 import accuracy_table
+    from pkv.report.fp8 import accuracy_table
 
     rows = [dict(data="random", seed=s, kv=kv, engine=e, rel_rms=r, max_abs=r, mean_abs=r, error="")
             for s in (1, 2) for kv, e, r in (("16-bit", "pkv-graph", 1e-4), ("fp8-tensor", "pkv-graph", 0.04),
@@ -189,9 +189,9 @@ def test_kv_fp8_stage_on_the_cpu(tmp_path):
 
     import yaml
 
-    from pkv.costmodel import Constants
-    from pkv.measure_config import effective
-    from pkv.measure_stages import kv_fp8
+    from pkv.plan.costmodel import Constants
+    from pkv.config.resolve import effective
+    from pkv.measure.stages import kv_fp8
 
     cfg = effective(yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text()), "smoke")
     k = Constants("cpu", 1e9, 1e-6, 8, 1.0, {"flashinfer": 4.0, "flashinfer-tc": 4.0}, ((1024, 1.05),), (4,), 1, 4)
@@ -202,8 +202,8 @@ def test_kv_fp8_stage_on_the_cpu(tmp_path):
 
 
 def test_fp8_reports_refuse_missing_foreign_and_mixed_files(tmp_path):
-    from pkv import io
-    from pkv.report_fp8 import main
+    from pkv.core import io
+    from pkv.report.fp8 import main
 
     out = tmp_path / "t.md"
     with pytest.raises(ValueError, match="no FP8 accuracy Parquet"):
@@ -227,8 +227,8 @@ def test_kv_fp8_stage_refuses_engines_that_do_not_read_fp8():
 
     import yaml
 
-    from pkv.measure_config import effective
-    from pkv.measure_stages import kv_fp8
+    from pkv.config.resolve import effective
+    from pkv.measure.stages import kv_fp8
 
     cfg = effective(yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text()), "smoke")
     cfg["ablations"]["kv_fp8"] = {"family": "bimodal", "max_active": 8, "policy": "tensor",

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.measure_config import gpu_name, run_root
+from pkv.config.resolve import gpu_name, run_root
 from worktree import REPO, copy_worktree
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]

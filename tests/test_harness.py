@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from pkv.harness import decode_steps, peak_active, step_metadata
-from pkv.paging import assign_pages
-from pkv.traces import Trace
+from pkv.core.harness import decode_steps, peak_active, step_metadata
+from pkv.core.paging import assign_pages
+from pkv.core.traces import Trace
 
 
 def trace(arrival, prompt, decode):

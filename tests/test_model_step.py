@@ -1,4 +1,4 @@
-"""The model-level decode step (pkv.model_step) and its report (pkv.report_model), on the CPU.
+"""The model-level decode step (pkv.measure.model_step) and its report (pkv.report.model), on the CPU.
 
 The smoke run goes end to end (traces -> steps -> N layers with pkv-graph's CPU oracle
 and the FP32 reference -> Parquet -> table and figure); the bucket and padding rules and
@@ -17,11 +17,11 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pkv import model_step as ms
-from pkv import report_model as rm
-from pkv.harness import StepState
-from pkv.io import read_meta, write_parquet
-from pkv.paging import assign_pages, flashinfer_view
+from pkv.measure import model_step as ms
+from pkv.report import model as rm
+from pkv.core.harness import StepState
+from pkv.core.io import read_meta, write_parquet
+from pkv.core.paging import assign_pages, flashinfer_view
 
 
 def test_bucket_of():
@@ -52,8 +52,8 @@ def test_padded_flashinfer_view():
 
 
 def test_spread_steps_cover_the_whole_trace():
-    from pkv.harness import decode_steps
-    from pkv.traces import SyntheticSpec, synthetic
+    from pkv.core.harness import decode_steps
+    from pkv.core.traces import SyntheticSpec, synthetic
 
     trace = synthetic(SyntheticSpec("bimodal", 3, num_requests=6, decode_min=4, decode_max=9, scale=1 / 64))
     every = list(decode_steps(trace, 4))
@@ -166,7 +166,7 @@ def test_failures_drop_an_engine_or_a_job_and_keep_the_rest(monkeypatch):
 def test_bad_arguments_are_one_line(tmp_path, capsys, argv, message):
     assert ms.main(["--smoke", "--out", str(tmp_path / "x.parquet"), *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("pkv.model_step: error: ") and message in err[0]
+    assert len(err) == 1 and err[0].startswith("pkv.measure.model_step: error: ") and message in err[0]
     assert not (tmp_path / "x.parquet").exists()
 
 
@@ -208,13 +208,13 @@ def test_report_ratios_on_a_synthetic_frame(tmp_path):
     assert t.iloc[2]["Wall × flashinfer-graph"] == "0.500±0.000"
 
     write_parquet(frame, tmp_path / "raw" / "model_step" / "a.parquet",
-                  {"gpu": "NVIDIA H200", "profile": "paper", "command": "python3 -m pkv.model_step --out x",
+                  {"gpu": "NVIDIA H200", "profile": "paper", "command": "python3 -m pkv.measure.model_step --out x",
                    "skipped": '["llama-8b/zipf-1/B32"]'})
     md, png = tmp_path / "tables" / "model_step.md", tmp_path / "figures" / "model_step.png"
     rm.write_targets(tmp_path, [md, png])
     text = md.read_text()
     assert "not a performance result" not in text and "NVIDIA H200" in text
-    assert "skipped past the time budget: llama-8b/zipf-1/B32" in text and "python3 -m pkv.model_step" in text
+    assert "skipped past the time budget: llama-8b/zipf-1/B32" in text and "python3 -m pkv.measure.model_step" in text
     assert png.stat().st_size > 1000
 
 

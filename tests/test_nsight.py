@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.nsight import NcuCsvError, kernel_role, parse_ncu_csv, table5
+from pkv.measure.nsight import NcuCsvError, kernel_role, parse_ncu_csv, table5
 
 FIXTURE = Path(__file__).parent / "data" / "ncu_b8_bimodal_h200.csv"
 
@@ -55,8 +55,8 @@ def test_parse_command_keeps_the_profiled_runs_provenance(tmp_path):
 
     import pandas as pd
 
-    from pkv.cli import main
-    from pkv.io import read_meta, write_parquet
+    from pkv.cli.main import main
+    from pkv.core.io import read_meta, write_parquet
 
     run = tmp_path / "run.parquet"
     write_parquet(pd.DataFrame({"step": [0]}), run, {"gpu": "NVIDIA H200", "git_commit": "abc", "stage": "nsight"})

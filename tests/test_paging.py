@@ -3,7 +3,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkv.paging import assign_pages, flashinfer_view
+from pkv.core.paging import assign_pages, flashinfer_view
 
 lengths = st.lists(st.integers(1, 3000), min_size=1, max_size=12)
 

@@ -18,10 +18,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from pkv.io import PROVENANCE_KEYS, file_hash, read_meta
-from pkv.measure import COLUMNS
-from pkv.measure_config import SMOKE_BANNER, config_hash
-from pkv.report import targets
+from pkv.core.io import PROVENANCE_KEYS, file_hash, read_meta
+from pkv.measure.loop import COLUMNS
+from pkv.config.resolve import SMOKE_BANNER, config_hash
+from pkv.report.tables import targets
 from worktree import copy_worktree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -269,7 +269,7 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
 
 @pytest.mark.slow
 def test_snakemake_report_embeds_every_table_and_figure_with_its_caption(smoke, tmp_path):
-    from pkv.report_spec import FIGURE_SPECS, TABLE_SPECS
+    from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
     work, args, *_ = smoke
     html = tmp_path / "report.html"

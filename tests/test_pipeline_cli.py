@@ -6,7 +6,7 @@ import sys
 
 import yaml
 
-from pkv.measure_config import deep_merge, effective, resolve_profile
+from pkv.config.resolve import deep_merge, effective, resolve_profile
 
 
 def _pkv(*args, env=None):

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.cache import PagedCache
-from pkv.paging import assign_pages
-from pkv.reference import attention_reference, merge_states, partial_state, run_schedule, tensor_lens
-from pkv.schedule import SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
-from pkv.shape import Shape
+from pkv.core.cache import PagedCache
+from pkv.core.paging import assign_pages
+from pkv.kernels.reference import attention_reference, merge_states, partial_state, run_schedule, tensor_lens
+from pkv.plan.schedule import SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
+from pkv.core.shape import Shape
 
 SCHEDULES = {
     "bucket": lambda lens, h, p: bucket_schedule(lens, h, p),

@@ -1,17 +1,18 @@
-"""The engine registry is the one list of engine names; pkv.schedule holds the one split
+"""The engine registry is the one list of engine names; pkv.plan.schedule holds the one split
 rule and slot size that the schedules, the launch builder and the cost model share."""
 
 import numpy as np
 import pytest
 import yaml
 
-from pkv import bench, costmodel
-from pkv.cache import PagedCache
+from pkv.bench import splits as bench
+from pkv.plan import costmodel
+from pkv.core.cache import PagedCache
 from pkv.engines import make_engine, registry
 from pkv.engines.persistent import kernel_launches
-from pkv.paging import assign_pages
-from pkv.schedule import SplitPolicy, slot_bytes, slot_floats, workqueue_row_splits, workqueue_schedule
-from pkv.shape import Shape
+from pkv.core.paging import assign_pages
+from pkv.plan.schedule import SplitPolicy, slot_bytes, slot_floats, workqueue_row_splits, workqueue_schedule
+from pkv.core.shape import Shape
 
 
 def _config_engines(node) -> set[str]:

@@ -1,13 +1,13 @@
-"""pkv.report on constructed Parquet: ratio arithmetic, determinism, one GPU model per folder."""
+"""pkv.report.tables on constructed Parquet: ratio arithmetic, determinism, one GPU model per folder."""
 
 import math
 
 import pandas as pd
 import pytest
 
-from pkv.io import write_parquet
-from pkv.measure import COLUMNS
-from pkv.report import build_report, load, ratios
+from pkv.core.io import write_parquet
+from pkv.measure.loop import COLUMNS
+from pkv.report.tables import build_report, load, ratios
 
 
 def _rows(engine, wall, cuda, seed=20260623, active=4, route=None, family="bimodal", max_active=8):

@@ -1,4 +1,4 @@
-"""The kernel benchmark's table and figure from Parquet alone (pkv.report_kernels), on the CPU."""
+"""The kernel benchmark's table and figure from Parquet alone (pkv.report.kernels), on the CPU."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pkv import io
-from pkv.report_kernels import fit_b1, load, main, summary
+from pkv.core import io
+from pkv.report.kernels import fit_b1, load, main, summary
 
 K = 1024
 

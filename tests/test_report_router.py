@@ -7,8 +7,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from pkv.costmodel import Constants
-from pkv.report_router import build, regret, regret_markdown
+from pkv.plan.costmodel import Constants
+from pkv.report.router import build, regret, regret_markdown
 
 ROOT = Path(__file__).resolve().parents[1] / "results"
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pkv.io import write_parquet
-from pkv.report import ReportError, build_report, compare, load
+from pkv.core.io import write_parquet
+from pkv.report.tables import ReportError, build_report, compare, load
 from test_report import _frame, _rows
 
 SEEDS = (20260623, 20260624, 20260625)
@@ -89,7 +89,7 @@ def test_missing_results_folder_is_an_error_and_nothing_is_created(tmp_path):
 
 def test_missing_seed_is_flagged_in_the_table(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"seeds": {"heldout": list(SEEDS)}}))
-    from pkv.io import dict_hash
+    from pkv.core.io import dict_hash
 
     config = dict_hash(json.loads((tmp_path / "config.json").read_text()))
     for seed in (SEEDS[0], SEEDS[2]):

@@ -1,4 +1,4 @@
-"""The router's per-step decision (pkv.costmodel.Router): exact against the cost
+"""The router's per-step decision (pkv.plan.costmodel.Router): exact against the cost
 functions, cached without changing a decision on recorded traces; the calibration fit
 that routes bimodal B4 to the workqueue; per-step validation out of the timed region."""
 
@@ -11,20 +11,20 @@ import pandas as pd
 import pytest
 import torch
 
-from pkv.cache import PagedCache
-from pkv.calibrate import fit_constants, fit_device_terms
-from pkv.costmodel import (Constants, Router, baseline_cost, bucket_cost, choose, eligible, estimate, RouteCost,
+from pkv.core.cache import PagedCache
+from pkv.measure.calibrate import fit_constants, fit_device_terms
+from pkv.plan.costmodel import (Constants, Router, baseline_cost, bucket_cost, choose, eligible, estimate, RouteCost,
                            workqueue_cost)
 from pkv.engines import make_engine
 from pkv.engines.common import PinnedStaging
-from pkv.harness import StepState
-from pkv.measure import Job, Tolerance, measure
-from pkv.timing import Timer
-from pkv.measure_config import load_config, point_key, shape_of
-from pkv.measure_stages import steps_of, synthetic_trace
-from pkv.paging import assign_pages
-from pkv.schedule import SplitPolicy
-from pkv.shape import Shape
+from pkv.core.harness import StepState
+from pkv.measure.loop import Job, Tolerance, measure
+from pkv.measure.timing import Timer
+from pkv.config.resolve import load_config, point_key, shape_of
+from pkv.measure.stages import steps_of, synthetic_trace
+from pkv.core.paging import assign_pages
+from pkv.plan.schedule import SplitPolicy
+from pkv.core.shape import Shape
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "calibration" / "constants.json"

@@ -265,7 +265,7 @@ def _compare_parquet(a: Path, b: Path) -> list[str]:
     import numpy as np
     import pandas as pd
 
-    from pkv.measure import MEASURED_TIMES
+    from pkv.measure.loop import MEASURED_TIMES
 
     # Measured times (the router's own decision time included) are compared for presence
     # (NaN pattern) only; every other column is a key, a counter, a route, an error or a

@@ -27,9 +27,9 @@ def test_snakefile_parse_imports_nothing_heavy():
     smk = (REPO / "workflow" / "rules" / "common.smk").read_text() + (REPO / "Snakefile").read_text()
     modules = set(re.findall(r"^from (pkv[\w.]*) import", smk, flags=re.M))
     modules |= set(re.findall(r"^import (pkv[\w.]*)", smk, flags=re.M))
-    assert modules == {"pkv.measure_config", "pkv.report_spec"}
+    assert modules == {"pkv.config.resolve", "pkv.report.spec"}
     # ... loads none of the heavy modules.
-    assert _loaded_after("import yaml, jsonschema\nimport pkv.measure_config, pkv.report_spec") == set()
+    assert _loaded_after("import yaml, jsonschema\nimport pkv.config.resolve, pkv.report.spec") == set()
 
 
 def test_the_parse_of_the_whole_workflow_imports_nothing_heavy():
@@ -46,11 +46,11 @@ def test_the_parse_of_the_whole_workflow_imports_nothing_heavy():
 
 
 def test_pkv_help_imports_nothing_heavy():
-    assert _loaded_after("from pkv.cli import build_parser\nbuild_parser('')") == set()
+    assert _loaded_after("from pkv.cli.main import build_parser\nbuild_parser('')") == set()
 
 
 def test_a_table_job_imports_no_torch_and_no_plotting(tmp_path):
-    code = (f"from pkv.cli import main\nmain(['report', {str(REPO / 'results')!r}, '--target', "
+    code = (f"from pkv.cli.main import main\nmain(['report', {str(REPO / 'results')!r}, '--target', "
             f"{str(REPO / 'results' / 'tables' / 'b4_sweep.md')!r}])")
     # Writes results/tables/b4_sweep.md again: run it on a copy of the reference run.
     import shutil
@@ -64,5 +64,5 @@ def test_a_table_job_imports_no_torch_and_no_plotting(tmp_path):
 
 @pytest.mark.parametrize("command", [["--help"], ["report", "--help"], ["trace", "show", "--help"]])
 def test_help_is_quick_to_import(command):
-    code = f"from pkv.cli import build_parser, _command\nbuild_parser(_command({command!r}) or '')"
+    code = f"from pkv.cli.main import build_parser, _command\nbuild_parser(_command({command!r}) or '')"
     assert "torch" not in _loaded_after(code)

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from pkv.harness import MAX_SIMULATED_STEPS, decode_steps, peak_active
-from pkv.paging import assign_pages, flashinfer_view
-from pkv.traces import MAX_LEN, SyntheticSpec, Trace, TraceFileError, load_trace, synthetic
+from pkv.core.harness import MAX_SIMULATED_STEPS, decode_steps, peak_active
+from pkv.core.paging import assign_pages, flashinfer_view
+from pkv.core.traces import MAX_LEN, SyntheticSpec, Trace, TraceFileError, load_trace, synthetic
 
 
 def write(tmp_path, name, data):

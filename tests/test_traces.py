@@ -4,7 +4,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pkv.traces import (BUCKETS, FAMILIES, SyntheticSpec, Trace, TraceFileError, Transform, apply_transform,
+from pkv.core.traces import (BUCKETS, FAMILIES, SyntheticSpec, Trace, TraceFileError, Transform, apply_transform,
                         load_trace, synthetic)
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"

@@ -2,13 +2,13 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from pkv.engines import make_engine
-from pkv.harness import StepState
-from pkv.paging import assign_pages
-from pkv.schedule import SplitPolicy
-from pkv.shape import Shape
-from pkv.validate import check_kv
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.plan.schedule import SplitPolicy
+from pkv.core.shape import Shape
+from pkv.core.validate import check_kv
 
 SHAPE = Shape(8, 2, 64, 16, "float16")
 

@@ -3,18 +3,18 @@ table in pkv.engines.registry, for the cache's device."""
 
 from __future__ import annotations
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.engines.registry import ENGINES, PKV_KINDS, build
-from pkv.schedule import SplitPolicy
+from pkv.plan.schedule import SplitPolicy
 
 
 def make_engine(name: str, cache: PagedCache, policy: SplitPolicy | None = None, **options) -> Engine:
     """Build engine `name` over `cache`.
 
-    "adaptive" takes `constants` (pkv.costmodel.Constants) and `point` (operating point key).
+    "adaptive" takes `constants` (pkv.plan.costmodel.Constants) and `point` (operating point key).
     On a CPU cache the pkv-* engines are the task-list engine (the CUDA kernels' oracle)
-    and pkv-graph its CPU oracle; on a CUDA cache they launch the kernels of pkv.kernels.
+    and pkv-graph its CPU oracle; on a CUDA cache they launch the kernels of pkv.kernels.loader.
     """
     return build(name, cache, policy, **options)
 

@@ -1,6 +1,6 @@
 """`adaptive`: the cost-model router (paper §3.5) over the baseline and PersistentKV engines.
 
-prepare() takes the step's route from pkv.costmodel.Router (estimates of T_r for every
+prepare() takes the step's route from pkv.plan.costmodel.Router (estimates of T_r for every
 candidate route from the step's lengths and the frozen constants, cached on a step
 signature), then prepares only the chosen engine; run() runs that engine's plan, so a
 CUDA graph of run() captures exactly the chosen route. The decision's own host time is
@@ -14,11 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pkv.cache import PagedCache
-from pkv.costmodel import Constants, Router
+from pkv.core.cache import PagedCache
+from pkv.plan.costmodel import Constants, Router
 from pkv.engines.base import Engine, Plan
-from pkv.harness import StepState
-from pkv.schedule import SplitPolicy
+from pkv.core.harness import StepState
+from pkv.plan.schedule import SplitPolicy
 
 PKV_ROUTES = ("bucket", "workqueue")
 

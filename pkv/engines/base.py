@@ -7,10 +7,10 @@ from dataclasses import dataclass
 
 import torch
 
-from pkv.cache import PagedCache
-from pkv.harness import StepState
-from pkv.schedule import Counters
-from pkv.validate import check_lengths, check_query
+from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState
+from pkv.plan.schedule import Counters
+from pkv.core.validate import check_lengths, check_query
 
 
 @dataclass
@@ -35,7 +35,7 @@ class Engine(ABC):
     `validate` (default on) checks each step's lengths and each query's shape in
     prepare()/run(). A serving engine does not run these checks per step, so the
     measurement loop runs them once per step outside the timed region and turns them off
-    inside it, for every engine alike (pkv.measure).
+    inside it, for every engine alike (pkv.measure.loop).
     """
 
     name: str = "engine"

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from pkv.engines.base import Engine, Plan
-from pkv.harness import StepState
-from pkv.reference import attention_reference, run_schedule
-from pkv.schedule import Schedule, SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
+from pkv.core.harness import StepState
+from pkv.kernels.reference import attention_reference, run_schedule
+from pkv.plan.schedule import Schedule, SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
 
 
 @dataclass

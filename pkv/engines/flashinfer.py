@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import num_sms
-from pkv.harness import StepState
-from pkv.paging import flashinfer_view
-from pkv.validate import check_kv
+from pkv.core.harness import StepState
+from pkv.core.paging import flashinfer_view
+from pkv.core.validate import check_kv
 
 
 class FlashInferEngine(Engine):

@@ -7,8 +7,8 @@ captured once in a CUDA graph and replayed for any later step of up to `rows` ro
 prepare(step, rows=B_pad) pads the step with zero-length rows, which the kernel skips
 (their outputs are left unwritten).
 
-On a CPU cache the same rule runs through pkv.reference.run_schedule
-(pkv.device_schedule.graph_schedule), the oracle CI tests.
+On a CPU cache the same rule runs through pkv.kernels.reference.run_schedule
+(pkv.plan.device_schedule.graph_schedule), the oracle CI tests.
 """
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkv.cache import PagedCache
-from pkv.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
+from pkv.core.cache import PagedCache
+from pkv.plan.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
-from pkv.harness import StepState
-from pkv.reference import run_schedule
-from pkv.schedule import slot_floats
+from pkv.core.harness import StepState
+from pkv.kernels.reference import run_schedule
+from pkv.plan.schedule import slot_floats
 
 HEAD_DIMS = (64, 128, 256)
 FP8_HEAD_DIMS = (64, 128)   # kFp8MaxHeadDim in csrc/graph_decode.h: the FP8 kernels built
@@ -89,7 +89,7 @@ class GraphEngine(Engine):
         self._zeros = np.zeros(self.max_rows, dtype=np.int32)
         self.ops = None
         if self.gpu:
-            from pkv.kernels import ops
+            from pkv.kernels.loader import ops
 
             self.ops = ops()
 

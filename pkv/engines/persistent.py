@@ -13,15 +13,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging, num_sms
 from pkv.engines.cpu import build_schedule
 from pkv.engines.registry import PKV_ENGINES
-from pkv.harness import StepState
-from pkv.schedule import (Counters, Schedule, SplitPolicy, slot_bytes, slot_floats, split_bounds,
+from pkv.core.harness import StepState
+from pkv.plan.schedule import (Counters, Schedule, SplitPolicy, slot_bytes, slot_floats, split_bounds,
                           workqueue_row_splits)
-from pkv.validate import check_kv
+from pkv.core.validate import check_kv
 
 MODE_DIRECT, MODE_PARTIAL, MODE_FUSED, MODE_CLUSTER = 0, 1, 2, 3
 MAX_SPLITS = 256  # kMaxSegSlots in csrc/pkv_decode.cu
@@ -39,10 +39,10 @@ def default_policy(cache: PagedCache) -> SplitPolicy:
 
 @dataclass(frozen=True)
 class KernelLaunch:
-    """What one decode launch needs from a pkv.schedule.Launch, built with few host ops.
+    """What one decode launch needs from a pkv.plan.schedule.Launch, built with few host ops.
 
     Grid launches carry no task array: the kernel derives each CTA's token range with
-    pkv.schedule.split_bounds from `splits` and the row's length (or `bound`).
+    pkv.plan.schedule.split_bounds from `splits` and the row's length (or `bound`).
     """
 
     queue: bool
@@ -56,7 +56,7 @@ class KernelLaunch:
 
 
 def kernel_launches(kind: str, seq_lens: np.ndarray, num_kv_heads: int, policy: SplitPolicy) -> list[KernelLaunch]:
-    """The launches of pkv.schedule's `kind` schedule (same order, splits, tasks, slots)."""
+    """The launches of pkv.plan.schedule's `kind` schedule (same order, splits, tasks, slots)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     h = num_kv_heads
     if kind == "workqueue":
@@ -107,7 +107,7 @@ class LaunchArgs:
 
 
 class PkvPlan(Plan):
-    """A PersistentKV step plan. Its counters come from the full pkv.schedule Schedule,
+    """A PersistentKV step plan. Its counters come from the full pkv.plan.schedule Schedule,
     built on first access: diagnostics stay out of the serving path that prepare() times."""
 
     def __init__(self, step: StepState, route: str, launches: int, counter_args: tuple, meta: torch.Tensor,
@@ -139,7 +139,7 @@ class PkvPlan(Plan):
 
 
 class PkvEngine(Engine):
-    """Split decode over the native block table; schedules from pkv.schedule."""
+    """Split decode over the native block table; schedules from pkv.plan.schedule."""
 
     def __init__(self, cache: PagedCache, name: str, policy: SplitPolicy | None = None, indexed_qo: bool = True,
                  row_local: bool = True, early_exit: bool = True, cluster_merge: bool = False, validate: bool = True):
@@ -247,6 +247,6 @@ class PkvEngine(Engine):
 
 
 def _kernel_ops():
-    from pkv.kernels import ops
+    from pkv.kernels.loader import ops
 
     return ops()

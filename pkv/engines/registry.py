@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pkv.cache import PagedCache
-from pkv.schedule import SplitPolicy
+from pkv.core.cache import PagedCache
+from pkv.plan.schedule import SplitPolicy
 
 
 @dataclass(frozen=True)

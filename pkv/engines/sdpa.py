@@ -8,11 +8,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
-from pkv.harness import StepState
-from pkv.validate import check_kv
+from pkv.core.harness import StepState
+from pkv.core.validate import check_kv
 
 
 @dataclass

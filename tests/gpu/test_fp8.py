@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from pkv.engines import make_engine
-from pkv.fp8 import E4M3_STEP
-from pkv.reference import attention_reference
-from pkv.shape import Shape
+from pkv.core.fp8 import E4M3_STEP
+from pkv.kernels.reference import attention_reference
+from pkv.core.shape import Shape
 from test_graph import replay_and_check, replay_case, run_graph
 from test_kernels import TOL, make_case, seed_of
 

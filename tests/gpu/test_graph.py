@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from pkv.cache import PagedCache
+from pkv.core.cache import PagedCache
 from pkv.engines import make_engine
-from pkv.harness import StepState
-from pkv.paging import assign_pages
-from pkv.shape import Shape
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.core.shape import Shape
 from test_kernels import check, make_case, reference, seed_of
 
 pytestmark = [

@@ -1,10 +1,10 @@
-"""The GPU engine's lean launch builder reproduces pkv.schedule exactly (runs on the CPU)."""
+"""The GPU engine's lean launch builder reproduces pkv.plan.schedule exactly (runs on the CPU)."""
 
 import numpy as np
 import pytest
 
 from pkv.engines.persistent import kernel_launches
-from pkv.schedule import SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
+from pkv.plan.schedule import SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
 
 BUILDERS = {"bucket": bucket_schedule, "masked": masked_schedule, "workqueue": workqueue_schedule}
 

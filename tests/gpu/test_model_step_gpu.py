@@ -1,8 +1,8 @@
-"""The model-level decode step on the GPU (pkv.model_step): graphs captured once per bucket,
+"""The model-level decode step on the GPU (pkv.measure.model_step): graphs captured once per bucket,
 replayed over traces whose steps are padded, checked against FlashInfer eager at every step.
 
 Small shapes (2-3 layers) so the test takes seconds; the benchmark itself is
-`python -m pkv.model_step`.
+`python -m pkv.measure.model_step`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pkv import model_step as ms
-
+from pkv.measure import model_step as ms
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),

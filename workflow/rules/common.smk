@@ -7,9 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
 
-from pkv.measure_config import (REFERENCE_ROOT, SMOKE_BANNER, ConfigError, check_config, coerce, differences,
+from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, ConfigError, check_config, coerce, differences,
                                 effective, gpu_name, load_schema, resolve_profile, run_root, validate_config)
-from pkv.report_spec import FIGURE_SPECS, TABLE_SPECS
+from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
 SCHEMA = load_schema(Path(workflow.basedir) / "workflow/schemas/config.schema.yaml")
 # `--config key={a: 4}` reaches us untyped ("4"): give it the schema's types first. Then

@@ -87,4 +87,4 @@ rule report_fp8:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.report_fp8 {params.kind} {input} --table {output.table} > {log} 2>&1"
+        "python3 -m pkv.report.fp8 {params.kind} {input} --table {output.table} > {log} 2>&1"

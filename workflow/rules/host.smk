@@ -1,6 +1,6 @@
 # Issue 13: the host path of one decode step per engine and batch (prepare, run launch,
 # route decision) beside FlashInfer's raw plan() on the same prebuilt arrays. Writes its
-# Parquet and renders results/tables/host_path.md from it (pkv.bench_host.markdown).
+# Parquet and renders results/tables/host_path.md from it (pkv.bench.host.markdown).
 
 
 rule bench_host:

@@ -36,4 +36,4 @@ rule report_kernels:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.report_kernels {input.parquet} --table {output.table} --figure {output.figure} > {log} 2>&1"
+        "python3 -m pkv.report.kernels {input.parquet} --table {output.table} --figure {output.figure} > {log} 2>&1"

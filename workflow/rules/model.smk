@@ -2,7 +2,7 @@
 # CUDA graph per batch bucket; pkv-graph against FlashInfer's CUDA-graph path (plan() on
 # the host every step), FlashInfer eager and the adaptive route. One job per held-out
 # seed over the synthetic families, one for the external (Azure) trace. Shapes, buckets
-# and steps are pkv.model_step's defaults (llama-1b and llama-8b, buckets 1/8/32, 16
+# and steps are pkv.measure.model_step's defaults (llama-1b and llama-8b, buckets 1/8/32, 16
 # steps); the smoke profile runs its CPU version. See docs/graph-decode.md.
 
 MODEL_STEP_FAMILIES = "bimodal,zipf"   # synthetic families of the model step (until config.yaml names them)
@@ -27,7 +27,7 @@ rule model_step:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.model_step --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.measure.model_step --config {input.config} --constants {input.constants} "
         "--families {params.families} --seeds {wildcards.seed} --budget-s 1e9 --out {output.parquet} > {log} 2>&1"
 
 
@@ -47,7 +47,7 @@ rule model_step_external:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.model_step --config {input.config} --constants {input.constants} "
+        "python3 -m pkv.measure.model_step --config {input.config} --constants {input.constants} "
         "--families azure --budget-s 1e9 --out {output.parquet} > {log} 2>&1"
 
 
@@ -70,7 +70,7 @@ rule report_model_step:
     log:
         out("logs/report/model_step.md.log"),
     shell:
-        "python3 -m pkv.report_model --target {output.md} > {log} 2>&1"
+        "python3 -m pkv.report.model --target {output.md} > {log} 2>&1"
 
 
 rule plot_model_step:
@@ -87,4 +87,4 @@ rule plot_model_step:
     log:
         out("logs/report/model_step.png.log"),
     shell:
-        "python3 -m pkv.report_model --target {output.png} > {log} 2>&1"
+        "python3 -m pkv.report.model --target {output.png} > {log} 2>&1"

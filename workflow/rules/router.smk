@@ -1,5 +1,5 @@
 # Issue 13: is the router right, and does it pay for itself? From the serving Parquet, the
-# calibration sweep and the frozen constants (pkv.report_router); one output per rule.
+# calibration sweep and the frozen constants (pkv.report.router); one output per rule.
 # Named targets (`snakemake --cores 1 results/tables/router_regret.md`), outside `all`.
 
 

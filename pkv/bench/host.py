@@ -1,0 +1,275 @@
+"""`pkv bench host`: the host path of one decode step, per engine and batch size.
+
+For each batch size and engine this times, over a run of consecutive decode steps of one
+active set (every row one token longer each step, as in continuous batching), exactly
+what pkv.measure.loop times: an untimed pass first (validation on, FlashInfer's per-step
+view built, warm-up), then with validation off
+
+- prepare_us: prepare(step), the engine's whole per-step host work;
+- launch_us: run(q, plan) until it returns (host time to queue the device work);
+- wall_us: prepare + run + synchronize;
+- route_us: the router's decision inside prepare() (adaptive only).
+
+Beside each FlashInfer engine: FlashInfer's raw `plan()` called directly on the same
+prebuilt arrays (host indptr and last_page_len, device page ids), and `view_us`, the
+cost of building those arrays for a step (done once per step off the timed path; a
+serving engine pays a gather kernel for it). The bar of issue 13: an adapter's
+prepare() <= 1.10 x raw plan() + 10 us. Medians over the steps; Parquet with
+provenance, and the Markdown table rendered from it.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pkv.core import io
+from pkv.core.cache import PagedCache
+from pkv.plan.costmodel import Constants, Router
+from pkv.engines import make_engine, registry
+from pkv.core.harness import StepState
+from pkv.config.resolve import device_of, load_config, shape_of
+from pkv.core.paging import assign_pages, flashinfer_view
+from pkv.plan.schedule import SplitPolicy
+
+BATCHES = (1, 8, 32, 128)
+ENGINES = ("flashinfer", "flashinfer-tc", "flashinfer-persistent", "pkv-workqueue", "pkv-bucket", "adaptive",
+           "pkv-graph")
+SMOKE = {"batches": (1, 4), "min_len": 16, "max_len": 200, "steps": 4}
+BAR_FACTOR, BAR_US = 1.10, 10.0
+
+
+def nearest_point(k: Constants, batch: int) -> str:
+    """The calibrated operating point whose batch is nearest `batch` (log scale)."""
+    if not k.operating_points:
+        raise ValueError("the constants hold no operating point")
+    return min(k.operating_points, key=lambda p: (abs(math.log(int(p.rsplit("-b", 1)[1]) / batch)), p))
+
+
+def make_steps(batch: int, steps: int, min_len: int, max_len: int, seed: int) -> list[StepState]:
+    rng = np.random.default_rng(seed + batch)
+    lens = rng.integers(min_len, max_len + 1, size=batch).astype(np.int64)
+    ids = np.arange(batch, dtype=np.int64)
+    return [StepState(t, ids, (lens + t).astype(np.int32)) for t in range(steps)]
+
+
+def build(name: str, cache: PagedCache, k: Constants | None, point: str | None):
+    if name == "adaptive":
+        if k is None:
+            raise ValueError("adaptive needs --constants")
+        return make_engine("adaptive", cache, constants=k, point=point)
+    if registry.family(name) == "pkv":
+        if k is not None and point is not None:
+            policy = SplitPolicy(k.split(point, registry.ENGINES[name].kind), k.min_tiles_per_split)
+        else:
+            policy = None
+        options = {} if cache.kv.is_cuda else {"num_sms": k.sm_count if k else 1}
+        return make_engine(name, cache, policy, **options)
+    return make_engine(name, cache)
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def time_engine(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> dict:
+    prep, launch, wall, route = [], [], [], []
+    plan = None
+    for step in steps:
+        engine.validate = True                 # the untimed pass of pkv.measure.loop
+        engine.run(q, engine.prepare(step))
+        engine.validate = False
+        _sync(cuda)
+        t0 = time.perf_counter()
+        plan = engine.prepare(step)
+        t1 = time.perf_counter()
+        engine.run(q, plan)
+        t2 = time.perf_counter()
+        _sync(cuda)
+        t3 = time.perf_counter()
+        prep.append(t1 - t0)
+        launch.append(t2 - t1)
+        wall.append(t3 - t0)
+        route.append(getattr(plan, "route_s", math.nan))
+    engine.validate = True
+    exact = []
+    if getattr(engine, "router", None) is not None:   # the same decisions, uncached: what a cache miss costs
+        r = engine.router
+        uncached = Router(r.shape, r.k, r.baselines, r.policies, cache=False)
+        for step in steps:
+            t0 = time.perf_counter()
+            uncached.decide(step.request_ids, step.seq_lens)
+            exact.append(time.perf_counter() - t0)
+    us = lambda xs: 1e6 * statistics.median(xs)  # noqa: E731
+    return {"route": plan.route, "prepare_us": us(prep), "prepare_p90_us": 1e6 * float(np.percentile(prep, 90)),
+            "launch_us": us(launch), "wall_us": us(wall),
+            "route_us": us(route) if not math.isnan(route[0]) else math.nan,
+            "route_max_us": 1e6 * max(route) if not math.isnan(route[0]) else math.nan,
+            "route_exact_us": us(exact) if exact else math.nan}
+
+
+def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
+    """FlashInfer's own plan() on the prebuilt arrays of each step, called on the wrapper
+    directly; and the cost of building those arrays (the adapter does it off the timed path)."""
+    s = engine.cache.shape
+    dt = s.torch_dtype
+    plans, views = [], []
+    for step in steps:
+        t0 = time.perf_counter()
+        v = flashinfer_view(engine.cache.assignment, step.request_ids, step.seq_lens)
+        arrays = (torch.from_numpy(v.indptr), torch.from_numpy(v.indices).to(engine.cache.device),
+                  torch.from_numpy(v.last_page_len), torch.from_numpy(np.asarray(step.seq_lens, dtype=np.int32)))
+        _sync(cuda)
+        views.append(time.perf_counter() - t0)
+        indptr, indices, last, lens = arrays
+        qo_indptr = torch.arange(step.active + 1, dtype=torch.int32)
+        _sync(cuda)
+        t0 = time.perf_counter()
+        if engine.name == "flashinfer-persistent":
+            engine.wrapper.plan(qo_indptr, indptr, indices, lens, s.num_qo_heads, s.num_kv_heads, s.head_dim,
+                                s.head_dim, s.page_size, causal=False, q_data_type=dt, kv_data_type=dt)
+        else:
+            engine.wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
+                                q_data_type=dt, kv_data_type=dt)
+        plans.append(time.perf_counter() - t0)
+        _sync(cuda)
+    return {"raw_plan_us": 1e6 * statistics.median(plans), "view_us": 1e6 * statistics.median(views)}
+
+
+def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int, ...], steps: int, min_len: int,
+          max_len: int, seed: int) -> pd.DataFrame:
+    device = device_of(cfg)
+    cuda = device == "cuda"
+    shape = shape_of(cfg)
+    holes = cfg["measure"]["holes"]
+    rows = []
+    for batch in batches:
+        trace_steps = make_steps(batch, steps, min_len, max_len, seed)
+        reserve = trace_steps[-1].seq_lens.astype(np.int64)
+        cache = PagedCache.random(shape, assign_pages(reserve, shape.page_size, holes, seed), device, seed)
+        q = cache.query(batch, seed)
+        point = nearest_point(k, batch) if k is not None else None
+        tokens = float(np.mean([s.seq_lens.sum(dtype=np.int64) for s in trace_steps]))
+        for name in engines:
+            base = dict(batch=batch, engine=name, point=point or "", steps=steps, mean_total_tokens=tokens,
+                        max_len=int(reserve.max()), device=device)
+            try:
+                engine = build(name, cache, k, point)
+                row = {**base, **time_engine(engine, trace_steps, q, cuda), "error": ""}
+                if registry.family(name) == "flashinfer":
+                    row.update(raw_plan(engine, trace_steps, cuda))
+                    row["bar_us"] = BAR_FACTOR * row["raw_plan_us"] + BAR_US
+                    row["meets_bar"] = bool(row["prepare_us"] <= row["bar_us"])
+            except (ValueError, RuntimeError, ImportError) as err:   # an engine absent or not built here
+                print(f"  B{batch} {name}: {type(err).__name__}: {str(err)[:200]}", file=sys.stderr)
+                rows.append({**base, "error": f"{type(err).__name__}: {str(err)[:300]}"})
+                continue
+            rows.append(row)
+            print(f"  B{batch:<4d} {name:22s} prepare {row['prepare_us']:8.1f} us  launch {row['launch_us']:7.1f} us  "
+                  f"wall {row['wall_us']:8.1f} us" + (f"  raw plan {row['raw_plan_us']:7.1f} us" if "raw_plan_us" in row
+                                                      else ""), file=sys.stderr, flush=True)
+        del cache
+        if cuda:
+            torch.cuda.empty_cache()
+    frame = pd.DataFrame(rows)
+    for col in ("route", "prepare_us", "prepare_p90_us", "launch_us", "wall_us", "route_us", "route_max_us", "route_exact_us",
+                "raw_plan_us", "view_us", "bar_us", "meets_bar"):
+        if col not in frame:
+            frame[col] = math.nan
+    frame["meets_bar"] = frame["meets_bar"].astype("boolean")
+    frame["error"] = frame["error"].fillna("").astype(str) if "error" in frame else ""
+    frame["route"] = frame["route"].astype("string")
+    return frame
+
+
+def _us(x) -> str:
+    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
+
+
+def _route(r) -> str:
+    exact = getattr(r, "route_exact_us", math.nan)
+    return _us(r.route_us) + (f" ({_us(exact)})" if isinstance(exact, float) and not math.isnan(exact) else "")
+
+
+def markdown(frame: pd.DataFrame, meta: dict) -> str:
+    """results/tables/host_path.md from the Parquet's rows and metadata."""
+    lines = [
+        "# Host path per decode step",
+        "",
+        f"Command: `{meta.get('command', '')}`  ",
+        f"GPU: {meta.get('gpu', 'none')}, torch {meta.get('torch', '')}, FlashInfer {meta.get('flashinfer', '')}, "
+        f"commit {meta.get('git_commit', '')}, constants {meta.get('constants_hash', 'none')}  ",
+        "Medians over consecutive decode steps of one active set (each row one token longer a step), timed as "
+        "pkv.measure.loop times them: validation off, FlashInfer's per-step view built in the untimed pass. "
+        "prepare = the engine's per-step host work; launch = run() until it returns; wall = prepare + run + "
+        "synchronize; route = the router's decision (in brackets: the same decisions uncached, i.e. a cache miss). Raw plan() = FlashInfer's wrapper.plan() called directly on "
+        "the same prebuilt arrays; view = building those arrays for one step (off the timed path). "
+        f"Bar (issue 13): prepare <= {BAR_FACTOR:.2f} x raw plan() + {BAR_US:.0f} us.",
+        "",
+        "| batch | engine | route | prepare µs | launch µs | wall µs | route µs (uncached) | raw plan() µs | view µs | "
+        "prepare / raw | meets bar |",
+        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in frame.itertuples():
+        if isinstance(r.error, str) and r.error:
+            lines.append(f"| {r.batch} | {r.engine} | not run: {r.error[:70]} | | | | | | | | |")
+            continue
+        ratio = r.prepare_us / r.raw_plan_us if r.raw_plan_us > 0 else math.nan   # NaN where no raw plan
+        bar = "" if pd.isna(r.meets_bar) else ("yes" if r.meets_bar else "**no**")
+        lines.append(f"| {r.batch} | {r.engine} | {r.route} | {_us(r.prepare_us)} | {_us(r.launch_us)} | "
+                     f"{_us(r.wall_us)} | {_route(r)} | {_us(r.raw_plan_us)} | {_us(r.view_us)} | "
+                     f"{'' if math.isnan(ratio) else f'{ratio:.2f}'} | {bar} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_host(args) -> int:
+    cfg = load_config(args.config)
+    smoke = cfg["profile"] == "smoke"
+    if device_of(cfg) == "cuda" and not torch.cuda.is_available():
+        raise ValueError("pkv bench host: the paper profile needs a CUDA device")
+    k = Constants.load(args.constants) if args.constants else None
+    batches = SMOKE["batches"] if smoke else tuple(int(b) for b in args.batches.split(","))
+    steps = SMOKE["steps"] if smoke else args.steps
+    min_len, max_len = (SMOKE["min_len"], SMOKE["max_len"]) if smoke else (args.min_len, args.max_len)
+    args.batches, args.steps, args.min_len, args.max_len = ",".join(map(str, batches)), steps, min_len, max_len
+    engines = [e for e in args.engines.split(",") if e]
+    if device_of(cfg) == "cpu":   # only the engines with a CPU implementation
+        engines = [e for e in engines if registry.ENGINES[e].cpu]
+    frame = bench(cfg, k, engines, batches, steps, min_len, max_len, args.seed)
+    command = "pkv bench host " + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()
+                                           if key not in ("func", "command", "bench") and value != "")
+    meta = {**io.provenance(io.file_hash(args.config), io.file_hash(args.constants) if args.constants else "none"),
+            "command": command, "profile": cfg["profile"]}
+    io.write_parquet(frame, args.out, meta)
+    io.atomic_write_text(args.table, markdown(pd.read_parquet(args.out), io.read_meta(args.out)))
+    print(f"wrote {args.out} and {args.table}")
+    return 0
+
+
+def add_command(bench_sub) -> None:
+    p = bench_sub.add_parser("host", help="host µs per step (prepare, launch) per engine and batch, "
+                                          "beside FlashInfer's raw plan()")
+    p.add_argument("--config", required=True, help="the frozen config.json (shape, profile, holes)")
+    p.add_argument("--constants", default="", help="constants.json (splits, adaptive); empty: defaults, no adaptive")
+    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--steps", type=int, default=64, help="consecutive decode steps timed per engine and batch")
+    p.add_argument("--min-len", type=int, default=1024)
+    p.add_argument("--max-len", type=int, default=16384)
+    p.add_argument("--seed", type=int, default=20260623)
+    p.add_argument("--out", default="results/raw/host/host_path.parquet")
+    p.add_argument("--table", default="results/tables/host_path.md")
+    p.set_defaults(func=run_host)
+
+
+def render(parquet: str | Path, table: str | Path) -> None:
+    """Re-render the table from its Parquet alone."""
+    io.atomic_write_text(table, markdown(pd.read_parquet(parquet), io.read_meta(parquet)))

@@ -1,0 +1,258 @@
+"""`pkv bench kernels`: device time of PersistentKV v4 (`pkv-graph`) against FlashInfer over the serving range.
+
+Cases: homogeneous batch x context grids, ragged mixes, GQA group x head_dim points, and
+(`--suites fp8`) FP8 points: the same lengths from a 16-bit cache and from e4m3 caches
+with tensor scales and with per-page factors (`kv_dtype`, `fp8_policy`, `point` columns;
+pkv.report.fp8 pairs them).
+For each case and engine: device µs per call by CUDA-graph replay (one graph runs every KV
+copy once; copies rotate so the working set is beyond the L2), the fraction of the read
+roofline on useful K+V bytes, and the ratio of the faster FlashInfer variant to
+PersistentKV, all in one process. Parquet only; the table and figure come from the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from pkv.engines.registry import FLASHINFER   # the one table of engine names
+
+K = 1024
+
+
+@dataclass(frozen=True)
+class SweepCase:
+    family: str                 # homogeneous | ragged | shapes
+    name: str
+    lens: tuple[int, ...]
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+    dtype: str = "float16"
+    kv_dtype: str = "auto"      # auto (= dtype) | fp8 (e4m3)
+    fp8_policy: str = ""        # FP8 scale policy (pkv.core.fp8.POLICIES); "" for a 16-bit cache
+    point: str = ""             # the lengths' name, shared by a point's 16-bit and FP8 cases
+
+    @property
+    def batch(self) -> int:
+        return len(self.lens)
+
+    @property
+    def shape(self):
+        from pkv.core.shape import Shape
+
+        return Shape(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.kv_dtype)
+
+    @property
+    def group(self) -> int:
+        return self.shape.group
+
+    @property
+    def bytes(self) -> int:
+        """Useful KV bytes: every token of every row, K and V, all KV heads, read once."""
+        return sum(self.lens) * self.shape.kv_bytes_per_token
+
+
+def homogeneous(max_tokens: int = 1 << 20) -> list[SweepCase]:
+    out = []
+    for b in (1, 2, 4, 8, 16, 32, 64, 128):
+        for ctx in (1, 2, 4, 8, 16, 32, 64, 128):
+            if b * ctx * K <= max_tokens:
+                out.append(SweepCase("homogeneous", f"B{b} {ctx}K", (ctx * K,) * b))
+    return out
+
+
+def ragged(seed: int = 20260622) -> list[SweepCase]:
+    rng = np.random.default_rng(seed)
+    return [
+        SweepCase("ragged", "B8 bimodal 512/24K", tuple(int(x) for x in rng.choice([512, 24 * K], size=8))),
+        SweepCase("ragged", "B32 bimodal 1K/16K", tuple(int(x) for x in rng.choice([K, 16 * K], size=32))),
+        SweepCase("ragged", "B16 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=16))),
+        SweepCase("ragged", "B64 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=64))),
+        SweepCase("ragged", "1x32K + 31 short", (32 * K,) + tuple(int(x) for x in rng.integers(100, 2 * K, size=31))),
+        SweepCase("ragged", "1x128K + 7x1K", (128 * K,) + (K,) * 7),
+    ]
+
+
+def shapes() -> list[SweepCase]:
+    out = []
+    for g in (1, 4, 5, 7, 8):
+        for d in (64, 128, 256):
+            if d == 256 and g > 8:
+                continue
+            for b, ctx in ((1, 32 * K), (16, 4 * K)):
+                out.append(SweepCase("shapes", f"G{g} d{d} B{b} {ctx // K}K", (ctx,) * b, num_qo_heads=8 * g,
+                                     num_kv_heads=8, head_dim=d))
+    return out
+
+
+FP8_KV = (("auto", ""), ("fp8", "tensor"), ("fp8", "page"))   # each point: 16-bit, then both FP8 policies
+
+
+def fp8(seed: int = 20260622) -> list[SweepCase]:
+    """The FP8 rows: B1 4K-128K, B8 32K, B64 x 2K and ragged mixes, each with a 16-bit and
+    both FP8 caches over the same lengths (the ratios pair them through `point`)."""
+    pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B64 2K"}
+    points = [c for c in homogeneous() if c.name in pick] + ragged(seed)[:4]
+    return [SweepCase("fp8", f"{c.name} {kv if kv == 'auto' else 'fp8-' + policy}", c.lens, kv_dtype=kv,
+                      fp8_policy=policy, point=c.name)
+            for c in points for kv, policy in FP8_KV]
+
+
+SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes, "fp8": fp8}
+
+
+def quick() -> list[SweepCase]:
+    pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B16 2K", "B64 2K", "B128 1K"}
+    return [c for c in homogeneous() if c.name in pick] + ragged()[:3] + [
+        c for c in shapes() if c.name in ("G5 d128 B1 32K", "G7 d128 B1 32K", "G4 d256 B1 32K", "G4 d64 B16 4K")]
+
+
+def build_caches(case: SweepCase, seed: int):
+    from pkv.core.cache import PagedCache
+    from pkv.core.paging import assign_pages
+
+    shape = case.shape
+    copies = int(min(8, max(2, math.ceil(1.0e9 / case.bytes))))
+    lens = np.asarray(case.lens, dtype=np.int64)
+    caches = [PagedCache.random(shape, assign_pages(lens, case.page_size, 0.5, seed + c), device="cuda", seed=seed + c,
+                                fp8_policy=case.fp8_policy or "tensor")
+              for c in range(copies)]
+    queries = [c.query(len(lens), seed + 100 + i) for i, c in enumerate(caches)]
+    return caches, queries
+
+
+def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> float:
+    from pkv.engines import make_engine
+    from pkv.plan.schedule import SplitPolicy
+    from pkv.measure.timing import graph_us_per_call
+
+    options = dict(options)
+    if "splits" in options:  # a host-planned PersistentKV schedule at a fixed split count
+        options["policy"] = SplitPolicy(options.pop("splits"))
+    engines = [make_engine(name, c, **options) for c in caches]
+    calls = [(e, e.prepare(step), q) for e, q in zip(engines, queries)]
+    for e, p, q in calls:  # warm-up: JIT load, allocator
+        e.run(q, p)
+    torch.cuda.synchronize()
+    return graph_us_per_call(calls, reps)
+
+
+def run_case(case: SweepCase, engines: list[tuple[str, dict]], reps: int, roofline: float, seed: int) -> list[dict]:
+    from pkv.core.harness import StepState
+
+    caches, queries = build_caches(case, seed)
+    step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
+    rows = []
+    for name, options in engines:
+        label = name + ("" if not options else "[" + ",".join(f"{k}={v}" for k, v in options.items()) + "]")
+        try:
+            us, error = time_engine(name, options, caches, queries, step, reps), ""
+        except (ValueError, RuntimeError) as err:  # a variant that does not build or run this shape
+            us, error = math.nan, f"{type(err).__name__}: {str(err)[:300]}"
+            torch.cuda.synchronize()
+        gbps = case.bytes / (us * 1e-6) / 1e9 if not math.isnan(us) else math.nan
+        rows.append(dict(family=case.family, case=case.name, batch=case.batch, mean_len=float(np.mean(case.lens)),
+                         max_len=max(case.lens), group=case.group, head_dim=case.head_dim,
+                         num_kv_heads=case.num_kv_heads, page_size=case.page_size, dtype=case.dtype,
+                         kv_dtype=case.kv_dtype, fp8_policy=case.fp8_policy, point=case.point or case.name,
+                         engine=label, graph_us=us, bytes=case.bytes, achieved_gbps=gbps,
+                         frac_of_roofline=gbps / roofline, copies=len(caches), error=error,
+                         lens=json.dumps(list(case.lens)) if case.batch <= 256 else ""))
+        ok = f"{us:9.2f} us {gbps / roofline:6.1%}" if not error else error[:90]
+        print(f"  {label:34s} {ok}", flush=True)
+    del caches, queries
+    torch.cuda.empty_cache()
+    return rows
+
+
+def with_ratios(frame):
+    """ratio = faster FlashInfer variant / engine (same case, same run)."""
+    fi = frame[frame.engine.isin(FLASHINFER)].groupby("case").graph_us.min().rename("best_flashinfer_us")
+    frame = frame.drop(columns=[c for c in ("best_flashinfer_us", "ratio") if c in frame]).join(fi, on="case")
+    frame["ratio"] = frame.best_flashinfer_us / frame.graph_us
+    return frame
+
+
+def add_arguments(ap) -> None:
+    ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
+    ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
+    ap.add_argument("--cases", default="", help="comma-separated case names to keep (default: every case)")
+    ap.add_argument("--page-size", type=int, default=0, help="run every case at this page size (default: the case's)")
+    ap.add_argument("--engines", default="pkv-graph," + ",".join(FLASHINFER),
+                    help="engines; name[key=value;...] sets options, e.g. pkv-graph[min_tiles=4]")
+    ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
+    ap.add_argument("--seed", type=int, default=20260622, help="seed of the KV bytes, queries and ragged lengths")
+    ap.add_argument("--out", default="results/raw/kernels/sweep.parquet", help="Parquet file to write")
+
+
+def add_command(bench) -> None:
+    p = bench.add_parser("kernels", help="pkv-graph against FlashInfer's decode variants, device time (needs a GPU)",
+                         description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(func=lambda args: run(args, "pkv bench kernels " + " ".join(sys.argv[3:])))
+
+
+def run(args, command: str) -> int:
+    import pandas as pd
+
+    from pkv.core import io
+    from pkv.bench.splits import read_roofline
+
+    if not torch.cuda.is_available():
+        raise ValueError("pkv bench kernels needs a CUDA device")
+    engines = []
+    for spec in args.engines.split(","):
+        name, _, opts = spec.partition("[")
+        options = {k: int(v) for k, v in (kv.split("=") for kv in opts.rstrip("]").split(";") if kv)}
+        engines.append((name, options))
+    unknown = [s for s in args.suites.split(",") if s not in SUITES]
+    if unknown:
+        raise ValueError(f"unknown suite(s) {unknown}; choose from {sorted(SUITES)}")
+    cases = quick() if args.quick else [c for s in args.suites.split(",") for c in SUITES[s]()]
+    if args.cases:
+        keep = args.cases.split(",")
+        missing = sorted(set(keep) - {c.name for c in cases})
+        if missing:
+            raise ValueError(f"--cases: no case named {missing} in the chosen suites")
+        cases = [c for c in cases if c.name in keep]
+    if args.page_size:
+        cases = [dataclasses.replace(c, page_size=args.page_size) for c in cases]
+    probes = read_roofline()
+    roofline = probes["roofline"]
+    print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
+    meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
+            "command": command}
+    rows, t0 = [], time.time()
+    for case in cases:
+        print(f"{case.name}: {case.bytes / 1e6:.1f} MB", flush=True)
+        rows += run_case(case, engines, args.reps, roofline, args.seed)
+        # Rewritten after every case: a run stopped part way keeps what it measured.
+        frame = with_ratios(pd.DataFrame(rows))
+        io.write_parquet(frame, args.out, {**meta, "complete": "false"})
+    io.write_parquet(frame, args.out, {**meta, "complete": "true"})
+    print(f"wrote {args.out} ({len(frame)} rows, {time.time() - t0:.0f} s)")
+    show = frame[frame.engine.str.startswith("pkv")][["case", "engine", "graph_us", "frac_of_roofline", "ratio"]]
+    print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m pkv.bench.kernels", description=__doc__,
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_arguments(ap)
+    args = ap.parse_args(argv)
+    return run(args, "python -m pkv.bench.kernels " + " ".join(argv if argv is not None else sys.argv[1:]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

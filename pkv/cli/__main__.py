@@ -1,0 +1,5 @@
+import sys
+
+from pkv.cli.main import main
+
+sys.exit(main())

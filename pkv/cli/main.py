@@ -1,0 +1,94 @@
+"""The `pkv` command (also `python -m pkv`).
+
+Each module in COMMANDS adds its subcommands via add_commands(); only the module of the
+command being run is imported, so `pkv --help`, `pkv report` and `pkv trace` start
+without torch. Every option's help shows its default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+import pkv
+
+# Command -> (module that adds it, one-line help for `pkv --help`). Each module defines
+# add_commands(subparsers) and gives every parser a `func(args) -> int` default;
+# tests/test_cli.py checks that this table and the modules agree.
+COMMANDS = {
+    "trace": ("pkv.cli.trace", "inspect request traces"),
+    "freeze-config": ("pkv.cli.pipeline", "write the resolved experiment config every command reads"),
+    "calibrate": ("pkv.cli.pipeline", "fit and freeze the cost-model constants (calibration seed only)"),
+    "measure": ("pkv.cli.pipeline", "run one measurement job of a pipeline stage"),
+    "nsight": ("pkv.cli.pipeline", "capture the short B8 trace under Nsight Compute (ncu) to CSV"),
+    "report": ("pkv.cli.pipeline", "regenerate tables and figures from the Parquet under RESULTS_DIR"),
+    "compare": ("pkv.cli.pipeline", "a run's tables beside the committed reference run's (ratios side by side)"),
+    "nsight-parse": ("pkv.measure.nsight", "parse an ncu CSV capture into per-invocation Parquet (Table 5)"),
+    "bench": ("pkv.bench.splits", "benchmarks"),
+    "report-router": ("pkv.report.router", "router regret table and estimate-vs-measurement figure from Parquet"),
+}
+COMMAND_MODULES = list(dict.fromkeys(module for module, _ in COMMANDS.values()))
+
+
+class DefaultsFormatter(argparse.HelpFormatter):
+    """Appends "(default: X)" to every option that has a default worth showing."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "%(default)" in text or action.default in (None, False, [], argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+class Parser(argparse.ArgumentParser):
+    """An ArgumentParser whose subparsers (at any depth) show defaults too."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", DefaultsFormatter)
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        # An option with a default but no help text still shows its default.
+        if kwargs.get("help") is None and args and str(args[0]).startswith("-") \
+                and kwargs.get("default") not in (None, False, []):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser with every command listed; only `command`'s module is imported (all of
+    them when `command` is None, none for an unknown one)."""
+    parser = Parser(prog="pkv", description="PersistentKV: paged decode attention experiments")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {pkv.__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
+    modules = COMMAND_MODULES if command is None else [COMMANDS[command][0]] if command in COMMANDS else []
+    for name in modules:
+        importlib.import_module(name).add_commands(sub)
+    for name, (_, text) in COMMANDS.items():
+        if name not in sub.choices:
+            sub.add_parser(name, help=text, add_help=False)   # listed in --help; its module loads when run
+    return parser
+
+
+def _command(argv: list[str]) -> str | None:
+    """The command word of argv (the first argument that is not an option), if known."""
+    for arg in argv:
+        if not arg.startswith("-"):
+            return arg if arg in COMMANDS else None
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command(argv) or "").parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, OSError) as e:
+        # Bad input ends in one line on stderr, never a traceback.
+        print(f"pkv: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

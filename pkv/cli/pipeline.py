@@ -1,0 +1,217 @@
+"""Pipeline commands the Snakemake rules call: `pkv freeze-config`, `pkv calibrate`,
+`pkv measure STAGE`, `pkv nsight`, `pkv report`, `pkv compare`. Each measuring command
+reads the frozen config.json (checked) and constants.json (refused when frozen for another
+config) and writes one Parquet file atomically, provenance included. Each command imports
+only what it uses: the report and the comparison never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from pkv.core.io import atomic_write_text, file_hash, provenance, write_parquet
+from pkv.config.resolve import SMOKE_BANNER, check_constants, config_hash, load_config, write_config
+
+
+def add_commands(sub) -> None:
+    fr = sub.add_parser("freeze-config", help="write the resolved experiment config every command reads")
+    fr.add_argument("--json", required=True, help="the resolved config (profile applied) as JSON")
+    fr.add_argument("--out", required=True, help="the frozen config.json to write")
+    fr.set_defaults(func=freeze_config_cmd)
+
+    cal = sub.add_parser("calibrate", help="fit and freeze the cost-model constants (calibration seed only)")
+    _common(cal, constants=False)
+    cal.add_argument("--raw", required=True, help="Parquet file for the calibration sweep's rows")
+    cal.set_defaults(func=calibrate_cmd)
+
+    meas = sub.add_parser("measure", help="run one measurement job of a pipeline stage")
+    msub = meas.add_subparsers(dest="stage", required=True, metavar="STAGE")
+    p = msub.add_parser("serve", help="Table 2: one held-out trace x engine set")
+    _common(p)
+    _point(p)
+    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--engine-set", required=True)
+    p = msub.add_parser("isolated", help="Table 1: one request of CONTEXT tokens, 50%% holes")
+    _common(p)
+    p.add_argument("--context", type=int, required=True)
+    p = msub.add_parser("split-sensitivity", help="Table 7: the policy at the frozen split and its neighbours")
+    _common(p)
+    _point(p)
+    p = msub.add_parser("b4-sweep", help="PersistentKV workqueue on B4 over a split grid")
+    _common(p)
+    p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("gqa-sweep", help="Table 8: one GQA group size G")
+    _common(p)
+    p.add_argument("--group", type=int, required=True)
+    for name in ("raggedness", "implementation"):
+        p = msub.add_parser(name, help=f"the {name} ablation on one seed")
+        _common(p)
+        p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("kv-fp8", help="the FP8 KV ablation (16-bit and e4m3 cache, same trace) on one seed")
+    _common(p)
+    p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("mlp-proxy", help="Table 3: attention + gated MLP tail on one seed")
+    _common(p)
+    p.add_argument("--seed", type=int, required=True)
+    p = msub.add_parser("external", help="the external (Azure) request trace")
+    _common(p)
+    p.add_argument("--trace", required=True, help="the request file named in the config")
+    p = msub.add_parser("nsight-trace", help="the short trace the nsight stage profiles")
+    _common(p)
+    meas.set_defaults(func=measure_cmd)
+
+    ns = sub.add_parser("nsight", help="capture the short B8 trace under Nsight Compute (ncu) to CSV")
+    _common(ns)
+    ns.set_defaults(func=nsight_cmd)
+
+    rep = sub.add_parser("report", help="regenerate tables and figures from the Parquet under RESULTS_DIR")
+    rep.add_argument("results_dir", nargs="?", help="default: the folder two levels above the --target files")
+    rep.add_argument("--target", action="append", default=[],
+                     help="only this output (e.g. results/tables/serving.md); repeatable")
+    rep.set_defaults(func=report_cmd)
+
+    cmp = sub.add_parser("compare", help="a run's tables beside the committed reference run's (ratios side by side)")
+    cmp.add_argument("run_dir", nargs="?", help="the run's results folder, e.g. results/runs/nvidia-h200-2026-11-30 "
+                     "(default: the folder two levels above --out)")
+    cmp.add_argument("--reference", default="results", help="the committed reference run's folder")
+    cmp.add_argument("--out", help="Markdown file to write (default: RUN_DIR/tables/comparison.md)")
+    cmp.set_defaults(func=compare_cmd)
+
+
+def _common(p: argparse.ArgumentParser, constants: bool = True) -> None:
+    p.add_argument("--config", required=True, help="the frozen config.json of this run")
+    if constants:
+        p.add_argument("--constants", required=True, help="results/calibration/constants.json")
+    p.add_argument("--out", required=True, help="the file this job writes (atomically)")
+
+
+def _point(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--family", required=True, help="trace family of the operating point")
+    p.add_argument("--max-active", type=int, required=True, help="continuous-batching limit B of the operating point")
+
+
+def _announce(cfg: dict) -> None:
+    if cfg["profile"] == "smoke":
+        print(f"*** {SMOKE_BANNER}: tiny shapes, CPU engines ***", file=sys.stderr)
+
+
+def _meta(args, cfg: dict, extra: dict) -> dict:
+    consts = getattr(args, "constants", None)
+    return {**provenance(config_hash(cfg), file_hash(consts)), "profile": cfg["profile"], **extra}
+
+
+def freeze_config_cmd(args) -> int:
+    try:
+        cfg = json.loads(args.json)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"freeze-config: --json is not valid JSON ({e})") from None
+    write_config(cfg, args.out)
+    print(f"froze profile {cfg['profile']} (config hash {config_hash(cfg)}) to {args.out}", file=sys.stderr)
+    return 0
+
+
+def calibrate_cmd(args) -> int:
+    from pkv.measure.calibrate import calibrate
+
+    cfg = load_config(args.config)
+    _announce(cfg)
+    constants, frame = calibrate(cfg)
+    constants["config_hash"] = config_hash(cfg)
+    write_parquet(frame, args.raw, _meta(args, cfg, {"stage": "calibrate"}))
+    atomic_write_text(args.out, json.dumps(constants, indent=2, sort_keys=True) + "\n")
+    print(json.dumps({k: v for k, v in constants.items() if k != "operating_points"}, sort_keys=True), file=sys.stderr)
+    return 0
+
+
+def measure_cmd(args) -> int:
+    cfg = load_config(args.config)
+    check_constants(cfg, args.constants)
+    _announce(cfg)
+    from pkv.measure import stages as stages
+    from pkv.plan.costmodel import Constants
+
+    k = Constants.load(args.constants)
+    if args.stage == "serve":
+        frame, meta = stages.serve(cfg, k, args.family, args.max_active, args.seed, args.engine_set)
+    elif args.stage == "isolated":
+        frame, meta = stages.isolated(cfg, k, args.context)
+    elif args.stage == "split-sensitivity":
+        frame, meta = stages.split_sensitivity(cfg, k, args.family, args.max_active)
+    elif args.stage == "b4-sweep":
+        frame, meta = stages.b4_sweep(cfg, k, args.seed)
+    elif args.stage == "gqa-sweep":
+        frame, meta = stages.gqa_sweep(cfg, k, args.group)
+    elif args.stage in ("raggedness", "implementation"):
+        frame, meta = stages.ablation(cfg, k, args.stage, args.seed)
+    elif args.stage == "kv-fp8":
+        frame, meta = stages.kv_fp8(cfg, k, args.seed)
+    elif args.stage == "mlp-proxy":
+        frame, meta = stages.mlp_proxy(cfg, k, args.seed)
+    elif args.stage == "external":
+        frame, meta = stages.external(cfg, k, Path(args.trace))
+    else:
+        frame, meta = stages.nsight_trace(cfg, k)
+    write_parquet(frame, args.out, _meta(args, cfg, {"stage": frame["stage"].iloc[0], **meta}))
+    return 0
+
+
+def nsight_cmd(args) -> int:
+    """Profile `pkv measure nsight-trace` under ncu; the CSV parser is issue 6's."""
+    ncu = shutil.which("ncu")
+    if ncu is None:
+        raise OSError("nsight: `ncu` (Nsight Compute) is not on PATH; install it, or set `nsight: false` "
+                      "in config.yaml (or pass --config nsight=False) to run `all` without the Nsight stage")
+    cfg = load_config(args.config)
+    check_constants(cfg, args.constants)
+    c = cfg["nsight_capture"]
+    out = Path(args.out)
+    cmd = [ncu, "--clock-control", "none", "--kernel-name-base", "demangled", "--kernel-name", c["kernel_filter"],
+           "--metrics", ",".join(c["metrics"]), "--csv", "--log-file", str(out.with_suffix(".tmp.csv")),
+           sys.executable, "-m", "pkv.cli", "measure", "nsight-trace", "--config", args.config,
+           "--constants", args.constants, "--out", str(out.with_suffix(".run.parquet"))]
+    print(" ".join(cmd), file=sys.stderr)
+    done = subprocess.run(cmd)
+    if done.returncode != 0:
+        out.with_suffix(".tmp.csv").unlink(missing_ok=True)
+        raise OSError(f"nsight: ncu exited with {done.returncode} (no counter access? see the log above); "
+                      "set `nsight: false` to skip the stage")
+    out.with_suffix(".tmp.csv").replace(out)
+    return 0
+
+
+def report_cmd(args) -> int:
+    from pkv.report.tables import build_report
+
+    targets = [Path(t) for t in args.target]
+    roots = {t.parent.parent for t in targets}
+    if args.results_dir is None and len(roots) != 1:
+        raise ValueError("name RESULTS_DIR, or --target files of one results folder")
+    root = Path(args.results_dir) if args.results_dir else roots.pop()
+
+    skipped = []
+    # Named targets must exist; the whole report of a partly measured folder skips the rest
+    # (said after the report is written: a failed report prints only its one-line error).
+    written = build_report(root, targets, on_missing=None if targets else lambda p, why: skipped.append((p, why)))
+    for path in written:
+        print(path)
+    for path, why in skipped:
+        print(f"skipped {path}: {why}", file=sys.stderr)
+    return 0
+
+
+def compare_cmd(args) -> int:
+    from pkv.report.tables import compare
+
+    if args.run_dir is None and args.out is None:
+        raise ValueError("compare: name RUN_DIR, or --out RUN_DIR/tables/comparison.md")
+    run = Path(args.run_dir) if args.run_dir else Path(args.out).parent.parent
+    out = Path(args.out) if args.out else run / "tables" / "comparison.md"
+    text = compare(run, Path(args.reference))
+    atomic_write_text(out, text)
+    print(out)
+    return 0

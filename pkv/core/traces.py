@@ -1,0 +1,382 @@
+"""Request traces: five synthetic families (paper §3.8) and a loader for request files.
+
+A trace is three integer arrays (arrival_step, prompt_len, decode_len) plus a `meta`
+dict saying where it came from and how it was transformed. Synthetic traces are pure
+functions of their spec: the same spec gives the same arrays on any machine.
+
+Limits (every trace, synthetic or loaded, is checked against them when it is built):
+a request's prompt_len + decode_len is at most MAX_LEN tokens (2^24 = 16,777,216), a
+trace has at most MAX_REQUESTS requests (2^20) and its arrival steps are at most
+MAX_ARRIVAL_STEP (2^30). So every context length fits int32 through batching (seq_lens)
+and paging (page ids are checked by pkv.core.paging), and the decode step index stays int32.
+
+Request files: CSV, JSON (a list, or {"requests": [...]}) or JSONL, UTF-8. A value is an
+integer only as its text is one ("12", not "12.0", "1e3", "1_000" or true), in CSV and
+JSON alike. A column (CSV header) or key (JSON object) given twice is refused. Every
+error names the file, the line (CSV, JSONL; the item for JSON) and the field.
+
+Azure timestamps: rows need not be in time order. A request's arrival step is
+floor((TIMESTAMP - earliest TIMESTAMP) / step_ms), so the earliest request arrives at
+step 0 wherever it is in the file; requests that arrive at the same step are admitted
+in file order (continuous batching sorts by arrival step, stably).
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf")
+BUCKETS = (8192, 16384, 32768, 65536)
+NATIVE_COLUMNS = ("prompt_len", "decode_len")
+AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+MAX_LEN = 1 << 24            # tokens per request, prompt + decode
+MAX_REQUESTS = 1 << 20       # requests per trace
+MAX_ARRIVAL_STEP = 1 << 30   # latest arrival step
+INTEGER = re.compile(r"^[+-]?[0-9]+$")
+
+
+@dataclass(frozen=True)
+class Trace:
+    name: str
+    arrival_step: np.ndarray
+    prompt_len: np.ndarray
+    decode_len: np.ndarray
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        arrays = (self.arrival_step, self.prompt_len, self.decode_len)
+        if len({len(a) for a in arrays}) != 1:
+            raise ValueError("arrival_step, prompt_len and decode_len must have the same length")
+        if len(self.prompt_len) == 0:
+            raise ValueError(f"trace {self.name!r} has no requests")
+        if self.prompt_len.min() < 1 or self.decode_len.min() < 1 or self.arrival_step.min() < 0:
+            raise ValueError(f"trace {self.name!r} has a non-positive length or a negative arrival step")
+        if len(self.prompt_len) > MAX_REQUESTS:
+            raise ValueError(f"trace {self.name!r} has {len(self.prompt_len)} requests, above MAX_REQUESTS {MAX_REQUESTS}")
+        # Each term is checked alone first: their sum must not wrap around int64 either.
+        total = np.maximum(self.prompt_len, self.decode_len)
+        total = np.where(total > MAX_LEN, total, self.prompt_len + self.decode_len)
+        if total.max() > MAX_LEN:
+            i = int(np.argmax(total))
+            raise ValueError(f"trace {self.name!r}: request {i} needs {int(total[i])} tokens (prompt + decode), "
+                             f"above MAX_LEN {MAX_LEN}")
+        if self.arrival_step.max() > MAX_ARRIVAL_STEP:
+            raise ValueError(f"trace {self.name!r}: arrival step {int(self.arrival_step.max())} is above "
+                             f"MAX_ARRIVAL_STEP {MAX_ARRIVAL_STEP}")
+
+    def __len__(self) -> int:
+        return len(self.prompt_len)
+
+    @property
+    def total_len(self) -> np.ndarray:
+        return self.prompt_len + self.decode_len
+
+    def checksum(self) -> str:
+        h = hashlib.sha256()
+        for a in (self.arrival_step, self.prompt_len, self.decode_len):
+            h.update(np.ascontiguousarray(a, dtype="<i8").tobytes())
+        return h.hexdigest()
+
+
+def _trace(name: str, arrival, prompt, decode, meta: dict) -> Trace:
+    as64 = lambda a: np.asarray(a, dtype=np.int64)  # noqa: E731
+    return Trace(name, as64(arrival), as64(prompt), as64(decode), meta)
+
+
+# ---------------------------------------------------------------- synthetic families
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Size parameters of a synthetic trace; lengths in tokens before `scale`."""
+
+    family: str
+    seed: int
+    num_requests: int = 16
+    decode_min: int = 16
+    decode_max: int = 64
+    min_len: int = 1024
+    max_len: int = 65536
+    mean_arrival_gap: float = 0.0
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown trace family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        if self.num_requests < 1:
+            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
+        if not 1 <= self.decode_min <= self.decode_max:
+            raise ValueError(f"need 1 <= decode_min <= decode_max, got {self.decode_min}, {self.decode_max}")
+        if not 1 <= self.min_len <= self.max_len:
+            raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
+        if self.mean_arrival_gap < 0 or self.scale <= 0:
+            raise ValueError("mean_arrival_gap must be >= 0 and scale > 0")
+
+
+def _prompt_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
+    n, lo, hi = spec.num_requests, spec.min_len, spec.max_len
+    i = np.arange(n)
+    if spec.family == "bucketed":
+        return np.asarray(BUCKETS, dtype=np.int64)[i % len(BUCKETS)]
+    if spec.family == "homogeneous":
+        return np.full(n, 32768, dtype=np.int64)
+    if spec.family == "bimodal":
+        # One long request (32K-64K) for every three short ones (1K-8K).
+        long_ = rng.integers(32768, 65536, n, endpoint=True)
+        short = rng.integers(1024, 8192, n, endpoint=True)
+        return np.where(i % 4 == 0, long_, short)
+    if spec.family == "uniform":
+        return rng.integers(lo, hi, n, endpoint=True)
+    # zipf: bounded Pareto (alpha 1.1) on [min_len, max_len], by inverse CDF.
+    alpha = 1.1
+    u = rng.random(n)
+    ratio = (lo / hi) ** alpha
+    return np.floor(lo / (1.0 - u * (1.0 - ratio)) ** (1.0 / alpha)).astype(np.int64)
+
+
+def synthetic(spec: SyntheticSpec) -> Trace:
+    rng = np.random.default_rng(spec.seed)
+    prompt = _prompt_lengths(spec, rng)
+    prompt = np.maximum(1, np.round(prompt * spec.scale)).astype(np.int64)
+    decode = rng.integers(spec.decode_min, spec.decode_max, spec.num_requests, endpoint=True)
+    if spec.mean_arrival_gap > 0:
+        gaps = rng.geometric(1.0 / (spec.mean_arrival_gap + 1.0), spec.num_requests) - 1
+        arrival = np.cumsum(gaps) - gaps[0]
+    else:
+        arrival = np.zeros(spec.num_requests, dtype=np.int64)
+    return _trace(f"{spec.family}-{spec.seed}", arrival, prompt, decode, {"source": "synthetic", **asdict(spec)})
+
+
+# ---------------------------------------------------------------- request files
+
+
+class TraceFileError(ValueError):
+    """A request file that cannot be read; the message names file, line and field."""
+
+
+@dataclass(frozen=True)
+class Transform:
+    """Explicit changes to a loaded trace, recorded in `Trace.meta["transform"]`.
+
+    Prompts are multiplied by `prompt_scale` first; then requests whose total length lies
+    outside [min_len, max_len] are dropped; then the first `max_requests` (by arrival) kept.
+    """
+
+    prompt_scale: float = 1.0
+    min_len: int | None = None
+    max_len: int | None = None
+    max_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_scale <= 0:
+            raise ValueError(f"prompt_scale must be > 0, got {self.prompt_scale}")
+        for name in ("min_len", "max_len", "max_requests"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+class _JsonNumber(str):
+    """A JSON number that is not an integer token (100.0, 1e3, 2.5), kept as its text."""
+
+
+def _int_field(path: Path, where: str, name: str, raw) -> int:
+    """An integer by the one rule of CSV and JSON alike: its text is [+-]digits."""
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        raise TraceFileError(f"{path}:{where}: field '{name}' is missing a value")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw
+    text = raw.strip() if isinstance(raw, str) and not isinstance(raw, _JsonNumber) else None
+    if text is None or not INTEGER.match(text):
+        shown = str(raw) if isinstance(raw, _JsonNumber) else repr(raw)
+        raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {shown}")
+    return int(text)
+
+
+def _positive(path: Path, where: str, name: str, raw) -> int:
+    value = _int_field(path, where, name, raw)
+    if value <= 0:
+        raise TraceFileError(f"{path}:{where}: field '{name}' must be positive, got {value}")
+    if value > MAX_LEN:
+        raise TraceFileError(f"{path}:{where}: field '{name}' is {value}, above the maximum of {MAX_LEN} tokens "
+                             "a request may have (pkv.core.traces.MAX_LEN)")
+    return value
+
+
+def _timestamp_ns(path: Path, where: str, raw) -> int:
+    try:
+        return int(np.datetime64(str(raw).strip().replace(" ", "T"), "ns").astype(np.int64))
+    except ValueError:
+        raise TraceFileError(f"{path}:{where}: field 'TIMESTAMP' is not a timestamp: {raw!r}") from None
+
+
+def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
+    """(column names, (location, record) pairs) of a CSV, JSON or JSONL file."""
+    suffix = path.suffix.lower()
+    if suffix not in (".csv", ".json", ".jsonl"):
+        raise TraceFileError(f"{path}: unknown extension {path.suffix!r}; use .csv, .json or .jsonl")
+    text = _read_text(path)
+    if not text.strip():
+        raise TraceFileError(f"{path}: the file is empty")
+    if suffix == ".csv":
+        reader = csv.DictReader(text.splitlines())
+        columns = [c.strip() for c in reader.fieldnames or []]
+        seen = set()
+        for c in columns:
+            if c in seen:
+                raise TraceFileError(f"{path}:line 1: column '{c}' appears twice in the header")
+            seen.add(c)
+        reader.fieldnames = columns
+        rows = []
+        for row in reader:
+            if None in row:
+                raise TraceFileError(f"{path}:line {reader.line_num}: more values than the header's {len(columns)} columns")
+            rows.append((f"line {reader.line_num}", row))
+        return columns, rows
+    if suffix == ".jsonl":
+        rows = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if line.strip():
+                rows.append((f"line {n}", _json_object(path, f"line {n}", line)))
+    elif suffix == ".json":
+        try:
+            doc = _json_loads(text)
+        except json.JSONDecodeError as e:
+            raise TraceFileError(f"{path}:line {e.lineno}: not valid JSON ({e.msg})") from None
+        except _DuplicateKey as e:
+            raise TraceFileError(f"{path}: key '{e.args[0]}' appears twice in one object") from None
+        items = doc.get("requests") if isinstance(doc, dict) else doc
+        if not isinstance(items, list):
+            raise TraceFileError(f"{path}: expected a list of requests or an object with a 'requests' list")
+        rows = [(f"item {n}", _as_object(path, f"item {n}", r)) for n, r in enumerate(items)]
+    columns = sorted({k for _, r in rows for k in r})
+    return columns, rows
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise TraceFileError(f"{path}:line {line}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                             "save the file as UTF-8") from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _unique_object(pairs: list[tuple[str, object]]) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _json_loads(text: str):
+    return json.loads(text, object_pairs_hook=_unique_object, parse_float=_JsonNumber,
+                      parse_constant=_JsonNumber)
+
+
+def _json_object(path: Path, where: str, line: str) -> dict:
+    try:
+        return _as_object(path, where, _json_loads(line))
+    except json.JSONDecodeError as e:
+        raise TraceFileError(f"{path}:{where}: not valid JSON ({e.msg})") from None
+    except _DuplicateKey as e:
+        raise TraceFileError(f"{path}:{where}: key '{e.args[0]}' appears twice in one object") from None
+
+
+def _as_object(path: Path, where: str, value) -> dict:
+    if not isinstance(value, dict):
+        raise TraceFileError(f"{path}:{where}: expected an object with request fields, got {type(value).__name__}")
+    return value
+
+
+def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | None = None) -> Trace:
+    """Read a request file: native columns (prompt_len, decode_len[, arrival_step]) or the
+    Azure LLM inference schema (TIMESTAMP, ContextTokens, GeneratedTokens), where
+    arrival_step = floor((TIMESTAMP - first TIMESTAMP) / step_ms)."""
+    path = Path(path)
+    if path.is_dir():
+        raise TraceFileError(f"{path}: is a directory, not a request file")
+    if not path.exists():
+        raise TraceFileError(f"{path}: no such file")
+    if not path.is_file():
+        raise TraceFileError(f"{path}: not a regular file")
+    if step_ms <= 0:
+        raise ValueError(f"step_ms must be > 0, got {step_ms}")
+    columns, rows = _records(path)
+    if all(c in columns for c in NATIVE_COLUMNS):
+        schema = "native"
+    elif all(c in columns for c in AZURE_COLUMNS):
+        schema = "azure"
+    else:
+        want = NATIVE_COLUMNS if not any(c in columns for c in AZURE_COLUMNS) else AZURE_COLUMNS
+        missing = [c for c in want if c not in columns]
+        raise TraceFileError(f"{path}:line 1: missing column(s) {', '.join(missing)} (found: {', '.join(columns) or 'none'})")
+    if not rows:
+        raise TraceFileError(f"{path}: the file has a header but no requests")
+    arrival, prompt, decode = [], [], []
+    for where, r in rows:
+        if schema == "native":
+            prompt.append(_positive(path, where, "prompt_len", r.get("prompt_len")))
+            decode.append(_positive(path, where, "decode_len", r.get("decode_len")))
+            a = r.get("arrival_step")
+            a = 0 if a is None or a == "" else _int_field(path, where, "arrival_step", a)
+            if a < 0:
+                raise TraceFileError(f"{path}:{where}: field 'arrival_step' must be >= 0, got {a}")
+            if a > MAX_ARRIVAL_STEP:
+                raise TraceFileError(f"{path}:{where}: field 'arrival_step' is {a}, above the maximum "
+                                     f"{MAX_ARRIVAL_STEP} (pkv.core.traces.MAX_ARRIVAL_STEP)")
+            arrival.append(a)
+        else:
+            arrival.append(_timestamp_ns(path, where, r.get("TIMESTAMP")))
+            prompt.append(_positive(path, where, "ContextTokens", r.get("ContextTokens")))
+            decode.append(_positive(path, where, "GeneratedTokens", r.get("GeneratedTokens")))
+        if prompt[-1] + decode[-1] > MAX_LEN:
+            names = "prompt_len + decode_len" if schema == "native" else "ContextTokens + GeneratedTokens"
+            raise TraceFileError(f"{path}:{where}: {names} = {prompt[-1] + decode[-1]} tokens, above the maximum "
+                                 f"of {MAX_LEN} (pkv.core.traces.MAX_LEN)")
+    if len(rows) > MAX_REQUESTS:
+        raise TraceFileError(f"{path}: {len(rows)} requests, above the maximum of {MAX_REQUESTS} "
+                             "(pkv.core.traces.MAX_REQUESTS); split the file or cut it with --max-requests after loading")
+    arrival = np.asarray(arrival, dtype=np.int64)
+    meta = {"source": "file", "path": str(path), "schema": schema, "requests_in_file": len(rows)}
+    if schema == "azure":
+        # Unsorted rows are fine: steps count from the earliest timestamp (module docstring).
+        arrival = (arrival - arrival.min()) // int(step_ms * 1e6)
+        if arrival.max() > MAX_ARRIVAL_STEP:
+            raise TraceFileError(f"{path}: the timestamps span {int(arrival.max())} steps of {step_ms} ms, above the "
+                                 f"maximum of {MAX_ARRIVAL_STEP} (pkv.core.traces.MAX_ARRIVAL_STEP); use a longer --step-ms")
+        meta["step_ms"] = step_ms
+    trace = _trace(path.stem, arrival, prompt, decode, meta)
+    return apply_transform(trace, transform) if transform else trace
+
+
+def apply_transform(trace: Trace, t: Transform) -> Trace:
+    prompt = np.maximum(1, np.round(trace.prompt_len * t.prompt_scale)).astype(np.int64)
+    total = prompt + trace.decode_len
+    keep = np.ones(len(trace), dtype=bool)
+    if t.min_len is not None:
+        keep &= total >= t.min_len
+    if t.max_len is not None:
+        keep &= total <= t.max_len
+    idx = np.flatnonzero(keep)
+    idx = idx[np.argsort(trace.arrival_step[idx], kind="stable")][: t.max_requests]
+    if len(idx) == 0:
+        raise ValueError(f"transform {t} keeps none of the {len(trace)} requests of {trace.name!r}")
+    arrival = trace.arrival_step[idx] - trace.arrival_step[idx].min()
+    meta = {**trace.meta, "transform": {**asdict(t), "kept": int(len(idx)), "of": len(trace)}}
+    return _trace(trace.name, arrival, prompt[idx], trace.decode_len[idx], meta)

@@ -1,0 +1,211 @@
+"""`pkv calibrate`: fit the cost model's constants on the device present, freeze them.
+
+Measured here, never assumed: beta (streaming copy bandwidth), the SM count, and on the
+calibration seed only, for every serving operating point, the split counts of the bucket
+and workqueue routes (best wall throughput over the configured grid). The device terms
+of the PersistentKV routes, C_min (occupancy target, CTAs per SM) and lambda (cost of one
+launch inside the step's device span), are fitted jointly by least squares in log time
+to the CUDA-event time of every PersistentKV row of the sweep; the host's back-to-back
+launch overhead is recorded beside them (`launch_measured_s`) but is not lambda: a
+decode launch costs the step its ramp-up and tail as well. Each baseline's effective
+CTAs per (row, KV head) is the power of two whose roofline estimate best fits its
+measured step times. Each route's host time per step (H_r: wall time outside the
+CUDA-event span, i.e. planning and launch submission) is the median over the sweep,
+and per operating point (`operating_points[point]["host_s"]`), since it grows with the
+batch. Margins and gates are policy, copied from the config. On the CPU smoke profile
+the same measurements run on the CPU (threads stand in for SMs) and the constants say so.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pkv.plan.costmodel import Constants, RouteCost, estimate
+from pkv.measure.loop import Job, measure
+from pkv.config.resolve import device_of, point_key, shape_of
+from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
+from pkv.measure.timing import sync
+
+PKV_KINDS = ("bucket", "workqueue")
+FIT_CTAS = tuple(2 ** i for i in range(8))
+
+
+def bandwidth(device: str, nbytes: int, reps: int = 10) -> float:
+    """Bytes moved per second (read + write) by a large device copy, median of `reps`."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def launch_overhead(device: str, samples: int) -> float:
+    """Seconds per back-to-back launch of a one-element kernel (host launch cost)."""
+    x = torch.zeros(1, device=device)
+    for _ in range(10):
+        x.add_(1)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(samples):
+        x.add_(1)
+    sync(device)
+    return (time.perf_counter() - t0) / samples
+
+
+def sm_count(device: str) -> int:
+    return torch.cuda.get_device_properties(0).multi_processor_count if device == "cuda" else torch.get_num_threads()
+
+
+def device_name(device: str) -> str:
+    return torch.cuda.get_device_name(0) if device == "cuda" else "cpu (smoke stand-in for a GPU)"
+
+
+def sweep(cfg: dict, provisional: Constants) -> pd.DataFrame:
+    """Every serving point on the calibration seed: baselines and both PKV routes per split."""
+    c = cfg["calibration"]
+    seed = cfg["seeds"]["calibration"]
+    shape = shape_of(cfg)
+    frames = []
+    for p in cfg["serving"]:
+        trace = synthetic_trace(cfg, p["family"], seed)
+        cache = build_cache(cfg, trace, shape, cfg["measure"]["holes"], seed)
+        steps = steps_of(trace, p["max_active"], c["max_steps"])
+        for split in c["split_grid"]:
+            specs = [*cfg["baselines"], *(f"pkv-{kind}" for kind in PKV_KINDS)]
+            engines = build_engines(specs, cache, provisional, point_key(p["family"], p["max_active"]), split)
+            job = Job("calibrate", trace.name, p["family"], p["max_active"], seed, shape.group, split)
+            frames.append(measure(job, cache, steps, engines, cfg["baselines"][0], tolerance(cfg),
+                                  cfg["measure"]["reference_every"], graph=False))
+    return pd.concat(frames, ignore_index=True)
+
+
+def _throughput(rows: pd.DataFrame) -> float:
+    return rows["active"].sum() / rows["wall_s"].sum()
+
+
+def operating_points(frame: pd.DataFrame) -> dict:
+    """(family, batch) -> {kind: split with the best wall throughput; ties to the smaller}."""
+    points = {}
+    for (family, batch), rows in frame.groupby(["family", "max_active"], sort=True):
+        points[point_key(family, int(batch))] = {
+            kind: int(max(sorted(rows["split"].unique()),
+                          key=lambda s: _throughput(rows[(rows["engine"] == f"pkv-{kind}") & (rows["split"] == s)])))
+            for kind in PKV_KINDS
+        }
+    return points
+
+
+FIT_C_MIN = tuple(round(0.25 + 0.05 * i, 2) for i in range(76))      # 0.25 .. 4.0 CTAs per SM
+FIT_LAUNCH_S = tuple(0.5e-6 * i for i in range(101))                   # 0 .. 50 us per launch
+
+
+def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[float, float]:
+    """(C_min, lambda) minimizing the squared log error of the PersistentKV routes' device
+    estimate (pkv.plan.costmodel.estimate without H_r) against their measured step time (CUDA
+    events; wall time where none were timed), over every PersistentKV row of the sweep.
+
+    Why fitted, not set: the earlier heuristic (C_min = CTA work per SM of the best bucket
+    split at the lowest batch, lambda = back-to-back launch overhead on the host) made
+    the occupancy stall too steep (C_min 1.94) and launches too cheap (9.9 us): at
+    bimodal B4 it costed the workqueue's 96 CTAs at 2.7x the bytes time and the bucket
+    route's 8 launches at 79 us, so the router took the bucket route that ran slower on
+    every measure (results/raw/serve/bimodal-b4-*)."""
+    rows = frame[frame["engine"].str.startswith("pkv-") & frame["decode_ctas"].notna()]
+    if rows.empty:
+        raise ValueError("no PersistentKV rows to fit C_min and lambda on")
+    measured = rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
+    bytes_t = rows["useful_kv_bytes"].to_numpy() / beta
+    merge_t = rows["merge_bytes"].to_numpy() / beta
+    occupancy = rows["decode_ctas"].to_numpy() / sm_count
+    launches = rows["launches"].to_numpy()
+    log_measured = np.log(measured)
+    best = None
+    for c_min in FIT_C_MIN:
+        stall = np.where(occupancy > 0, np.maximum(1.0, c_min / np.maximum(occupancy, 1e-12)), c_min)
+        fixed = bytes_t * stall + merge_t
+        for lam in FIT_LAUNCH_S:
+            loss = float(np.sum((np.log(fixed + launches * lam) - log_measured) ** 2))
+            if best is None or loss < best[0]:
+                best = (loss, c_min, lam)
+    return float(best[1]), float(best[2])
+
+
+def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> float:
+    rows = frame[frame["engine"] == baseline]
+    measured = rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
+
+    def loss(ctas: int) -> float:
+        model = [estimate(RouteCost(baseline, t * kv_bytes_per_token, a * num_kv_heads * ctas, 1, 0.0), k)
+                 for t, a in zip(rows["total_tokens"], rows["active"])]
+        return float(np.sum((np.log(model) - np.log(measured)) ** 2))
+
+    return float(min(FIT_CTAS, key=loss))
+
+
+def fit_host_s(frame: pd.DataFrame) -> dict:
+    """Route -> median seconds per step the host spends outside the device span; empty
+    where nothing was timed with CUDA events (the CPU smoke profile)."""
+    timed = frame[frame["cuda_s"].notna()]
+    host = (timed["wall_s"] - timed["cuda_s"]).clip(lower=0.0)
+    return {engine.removeprefix("pkv-"): float(h.median()) for engine, h in host.groupby(timed["engine"], sort=True)}
+
+
+def fit_host_s_by_point(frame: pd.DataFrame) -> dict:
+    """Operating point -> fit_host_s of that point's rows (H_r grows with the batch: at B1
+    the bucket route's host path is shorter than the workqueue's, at B8 not)."""
+    return {point_key(family, int(batch)): fit_host_s(rows)
+            for (family, batch), rows in frame.groupby(["family", "max_active"], sort=True)}
+
+
+def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv_bytes_per_token: int,
+                  num_kv_heads: int) -> dict:
+    """The fitted part of constants.json from a calibration sweep (`frame`): operating
+    points with their host times, C_min and lambda, the baselines' CTAs, H_r. Runs on
+    the CPU, so a committed sweep can be refitted offline."""
+    out = dict(constants)
+    out.setdefault("launch_measured_s", out["launch_overhead_s"])
+    points = operating_points(frame)
+    for point, host in fit_host_s_by_point(frame).items():
+        if host:
+            points[point]["host_s"] = host
+    out["operating_points"] = points
+    out["c_min"], out["launch_overhead_s"] = fit_device_terms(frame, out["beta_bytes_per_s"], out["sm_count"])
+    k = Constants.from_dict(out)
+    out["baseline_ctas_per_head"] = {b: fit_baseline_ctas(frame, b, k, kv_bytes_per_token, num_kv_heads)
+                                     for b in baselines}
+    # After the CTA fit, which models device time only.
+    out["host_s"] = fit_host_s(frame)
+    return out
+
+
+def calibrate(cfg: dict) -> tuple[dict, pd.DataFrame]:
+    """(constants.json content, the calibration sweep's rows)."""
+    device = device_of(cfg)
+    c, policy = cfg["calibration"], cfg["policy"]
+    shape = shape_of(cfg)
+    measured = {
+        "beta_bytes_per_s": bandwidth(device, c["bandwidth_bytes"]),
+        "launch_overhead_s": launch_overhead(device, c["launch_samples"]),
+        "sm_count": sm_count(device),
+    }
+    measured["launch_measured_s"] = measured["launch_overhead_s"]
+    constants = {
+        "device": device_name(device), "profile": cfg["profile"], "calibration_seed": cfg["seeds"]["calibration"],
+        **measured, "c_min": 1.0, "baseline_ctas_per_head": {b: 1.0 for b in cfg["baselines"]},
+        "margins": policy["margins"], "supported_groups": policy["supported_groups"],
+        "min_context": policy["min_context"], "min_tiles_per_split": policy["min_tiles_per_split"],
+    }
+    frame = sweep(cfg, Constants.from_dict(constants))
+    constants = fit_constants(constants, frame, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
+    return constants, frame

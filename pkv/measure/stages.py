@@ -1,0 +1,271 @@
+"""What each pipeline stage measures, as functions of the resolved config and the frozen
+constants. Each returns one long-format frame (pkv.measure.loop.COLUMNS) plus the metadata
+its Parquet file records beside the provenance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from pkv.core.cache import PagedCache
+from pkv.plan.costmodel import Constants
+from pkv.engines import Engine, make_engine, registry
+from pkv.core.harness import StepState, decode_steps
+from pkv.measure.loop import Job, Tolerance, measure
+from pkv.config.resolve import device_of, point_key, shape_of
+from pkv.core.paging import assign_pages
+from pkv.plan.schedule import SplitPolicy
+from pkv.core.shape import Shape
+from pkv.core.traces import SyntheticSpec, Trace, Transform, load_trace, synthetic
+
+Result = tuple[pd.DataFrame, dict]
+
+
+def parse_engine(spec: str) -> tuple[str, dict]:
+    """"pkv-masked:row_local=false,early_exit=false" -> ("pkv-masked", {...: False})."""
+    name, _, opts = spec.partition(":")
+    options = {}
+    for item in filter(None, opts.split(",")):
+        key, _, value = item.partition("=")
+        if value not in ("true", "false"):
+            raise ValueError(f"engine switch {item!r} in {spec!r} must be key=true or key=false")
+        options[key] = value == "true"
+    return name, options
+
+
+def build_engine(spec: str, cache: PagedCache, k: Constants, point: str, split: int | None = None) -> Engine:
+    """Engine `spec` at the frozen operating point `point`; `split` forces a split count."""
+    name, options = parse_engine(spec)
+    if name == "adaptive":
+        if split is not None:
+            k = dataclasses.replace(k, operating_points={point: {**k.operating_points.get(point, {}), "bucket": split,
+                                                                 "workqueue": split}})
+        return make_engine("adaptive", cache, constants=k, point=point)
+    if registry.family(name) == "pkv":
+        policy = SplitPolicy(split or k.split(point, name[4:]), k.min_tiles_per_split)
+        if not cache.kv.is_cuda:
+            options["num_sms"] = k.sm_count
+        return make_engine(name, cache, policy, **options)
+    return make_engine(name, cache, **options)
+
+
+def build_engines(specs: list[str], cache: PagedCache, k: Constants, point: str, split: int | None = None) -> dict[str, Engine]:
+    return {spec: build_engine(spec, cache, k, point, split) for spec in specs}
+
+
+def synthetic_trace(cfg: dict, family: str, seed: int, **overrides) -> Trace:
+    return synthetic(SyntheticSpec(family, seed, **{**cfg["traces"][family], **overrides}))
+
+
+def external_trace(cfg: dict, path: str | Path) -> Trace:
+    """The request file loaded with the config's step length and recorded transform."""
+    c = cfg["external"]
+    return load_trace(path, step_ms=c["step_ms"],
+                      transform=Transform(c["prompt_scale"], max_len=c["max_len"], max_requests=c["max_requests"]))
+
+
+def build_cache(cfg: dict, trace: Trace, shape: Shape, holes: float, seed: int, fp8_policy: str = "tensor") -> PagedCache:
+    assignment = assign_pages(trace.total_len, shape.page_size, holes, seed)
+    return PagedCache.random(shape, assignment, device_of(cfg), seed, fp8_policy=fp8_policy)
+
+
+def steps_of(trace: Trace, max_active: int, max_steps: int) -> list[StepState]:
+    return list(decode_steps(trace, max_active, max_steps))
+
+
+def tolerance(cfg: dict) -> Tolerance:
+    return Tolerance(cfg["tolerance"]["max_abs"], cfg["tolerance"]["mean_abs"])
+
+
+def _meta(trace: Trace, **extra) -> dict:
+    return {"trace_meta": json.dumps(trace.meta, sort_keys=True, default=str), "trace_sha256": trace.checksum(), **extra}
+
+
+def _run(cfg: dict, job: Job, trace: Trace, shape: Shape, specs: list[str], k: Constants, point: str, *,
+         split: int | None = None, holes: float | None = None, max_steps: int | None = None, repeats: int = 1,
+         reference_every: int | None = None, tail=None, fp8_policy: str = "tensor") -> pd.DataFrame:
+    m = cfg["measure"]
+    cache = build_cache(cfg, trace, shape, m["holes"] if holes is None else holes, job.seed, fp8_policy)
+    engines = build_engines(specs, cache, k, point, split)
+    tail_fn = tail(cache) if tail else None
+    steps = steps_of(trace, job.max_active, max_steps or m["max_steps"])
+    return measure(job, cache, steps, engines, cfg["baselines"][0], tolerance(cfg),
+                   reference_every or m["reference_every"], m["graph"], repeats, tail_fn)
+
+
+def _with_baselines(cfg: dict, specs: list[str]) -> list[str]:
+    return list(dict.fromkeys([*cfg["baselines"], *specs]))
+
+
+# ---------------------------------------------------------------- stages
+
+
+def serve(cfg: dict, k: Constants, family: str, max_active: int, seed: int, engine_set: str) -> Result:
+    """Table 2: one held-out trace, every engine of the set."""
+    trace = synthetic_trace(cfg, family, seed)
+    shape = shape_of(cfg)
+    job = Job("serve", trace.name, family, max_active, seed, shape.group)
+    specs = _with_baselines(cfg, cfg["engine_sets"][engine_set])
+    return _run(cfg, job, trace, shape, specs, k, point_key(family, max_active)), _meta(trace, engine_set=engine_set)
+
+
+def isolated(cfg: dict, k: Constants, context: int) -> Result:
+    """Table 1: one request of `context` tokens, 50% holes; PKV over the whole split grid."""
+    c = cfg["isolated"]
+    seed = cfg["seeds"]["ablation"]
+    # decode_len 1: the single step attends over exactly `context` tokens.
+    trace = Trace(f"isolated-{context}", np.zeros(1, np.int64), np.array([context - 1]), np.ones(1, np.int64),
+                  {"source": "isolated", "context": context})
+    shape = shape_of(cfg)
+    frames = []
+    split_engines = [s for s in c["engines"] if registry.family(parse_engine(s)[0]) == "pkv"]
+    fixed = [s for s in _with_baselines(cfg, c["engines"]) if s not in split_engines]
+    job = Job("isolated", trace.name, "isolated", 1, seed, shape.group)
+    frames.append(_run(cfg, job, trace, shape, fixed, k, "", holes=c["holes"], repeats=c["repeats"], reference_every=1))
+    for split in cfg["calibration"]["split_grid"]:
+        pkv = _with_baselines(cfg, split_engines)
+        j = dataclasses.replace(job, split=split)
+        f = _run(cfg, j, trace, shape, pkv, k, "", split=split, holes=c["holes"], repeats=c["repeats"], reference_every=1)
+        frames.append(f[~f["engine"].isin(cfg["baselines"])])
+    return pd.concat(frames, ignore_index=True), _meta(trace)
+
+
+def split_sensitivity(cfg: dict, k: Constants, family: str, max_active: int) -> Result:
+    """Table 7: the cost-model policy at the frozen split and its neighbours, ablation seed."""
+    seed, point = cfg["seeds"]["ablation"], point_key(family, max_active)
+    trace = synthetic_trace(cfg, family, seed)
+    shape = shape_of(cfg)
+    kind = "bucket" if max_active == 1 else "workqueue"
+    frozen = k.split(point, kind)
+    frames = []
+    for split in sorted({max(1, frozen + off) for off in cfg["ablations"]["split_sensitivity"]["offsets"]}):
+        job = Job("split_sensitivity", trace.name, family, max_active, seed, shape.group, split)
+        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["adaptive"]), k, point, split=split))
+    return pd.concat(frames, ignore_index=True), _meta(trace, frozen_split=frozen)
+
+
+def b4_sweep(cfg: dict, k: Constants, seed: int) -> Result:
+    """PersistentKV workqueue forced on B4 over a split grid (the boundary case)."""
+    c = cfg["ablations"]["b4_sweep"]
+    trace = synthetic_trace(cfg, c["family"], seed)
+    shape = shape_of(cfg)
+    frames = []
+    for split in c["splits"]:
+        job = Job("b4_sweep", trace.name, c["family"], c["max_active"], seed, shape.group, split)
+        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["pkv-workqueue"]), k,
+                           point_key(c["family"], c["max_active"]), split=split))
+    return pd.concat(frames, ignore_index=True), _meta(trace)
+
+
+def gqa_sweep(cfg: dict, k: Constants, group: int) -> Result:
+    """Table 8: G = H_qo / H_kv on a smaller trace; the router gates uncalibrated G."""
+    c = cfg["ablations"]["gqa_sweep"]
+    qo = cfg["shape"]["num_qo_heads"]
+    if qo % group:
+        raise ValueError(f"group {group} does not divide num_qo_heads {qo}")
+    seed = cfg["seeds"]["ablation"]
+    trace = synthetic_trace(cfg, c["family"], seed, num_requests=c["num_requests"])
+    shape = shape_of(cfg, num_kv_heads=qo // group)
+    job = Job("gqa_sweep", trace.name, c["family"], c["max_active"], seed, group)
+    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k,
+                 point_key(c["family"], c["max_active"]), max_steps=c["max_steps"])
+    return frame, _meta(trace, group=group, num_kv_heads=shape.num_kv_heads)
+
+
+# The FP8 KV ablation when config.yaml names none (ablations.kv_fp8 there overrides it; a
+# config that does is a new run, so the committed reference run's config is unchanged).
+_KV_FP8_PAPER = {"family": "bimodal", "max_active": 8, "max_steps": 32, "policy": "tensor",
+                 "engines": ["flashinfer", "flashinfer-tc", "pkv-graph"]}
+KV_FP8 = {"paper": _KV_FP8_PAPER,
+          "smoke": {**_KV_FP8_PAPER, "max_steps": 4, "engines": ["reference", "pkv-graph"]}}
+
+
+def kv_fp8(cfg: dict, k: Constants, seed: int) -> Result:
+    """FP8 KV ablation: one held-out trace served from a 16-bit cache, then from the same
+    values quantized to e4m3 (`policy` scales), by every engine of the ablation; rows say
+    which in `kv_dtype`."""
+    c = cfg["ablations"].get("kv_fp8", KV_FP8[cfg["profile"]])
+    specs = _with_baselines(cfg, c["engines"])
+    refused = [s for s in specs if parse_engine(s)[0] not in registry.FP8_READERS]
+    if refused:
+        raise ValueError(f"ablations.kv_fp8.engines (with baselines): {refused} do not read an FP8 KV cache; "
+                         f"those that do: {list(registry.FP8_READERS)}")
+    trace = synthetic_trace(cfg, c["family"], seed)
+    frames = []
+    for kv in ("auto", "fp8"):
+        shape = dataclasses.replace(shape_of(cfg), kv_dtype=kv)
+        job = Job("kv_fp8", trace.name, c["family"], c["max_active"], seed, shape.group)
+        frames.append(_run(cfg, job, trace, shape, specs, k, point_key(c["family"], c["max_active"]),
+                           max_steps=c.get("max_steps"), fp8_policy=c["policy"]))
+    return pd.concat(frames, ignore_index=True), _meta(trace, fp8_policy=c["policy"])
+
+
+def ablation(cfg: dict, k: Constants, name: str, seed: int) -> Result:
+    """Raggedness (bucket vs masked vs workqueue) or the implementation switches."""
+    c = cfg["ablations"][name]
+    trace = synthetic_trace(cfg, c["family"], seed)
+    shape = shape_of(cfg)
+    job = Job(name, trace.name, c["family"], c["max_active"], seed, shape.group)
+    return _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k, point_key(c["family"], c["max_active"])), _meta(trace)
+
+
+def gated_mlp(shape: Shape, width: int, seed: int):
+    """A Llama-style gated MLP tail over the attention output (hidden = H_qo * d)."""
+
+    def make(cache: PagedCache):
+        hidden = shape.num_qo_heads * shape.head_dim
+        gen = torch.Generator(device=cache.device).manual_seed(seed)
+        w = [torch.randn(a, b, generator=gen, device=cache.device).div_(a ** 0.5).to(shape.torch_dtype)
+             for a, b in ((hidden, width), (hidden, width), (width, hidden))]
+
+        def tail(out: torch.Tensor) -> torch.Tensor:
+            x = out.reshape(out.shape[0], hidden)
+            return (torch.nn.functional.silu(x @ w[0]) * (x @ w[1])) @ w[2]
+
+        return tail
+
+    return make
+
+
+def mlp_proxy(cfg: dict, k: Constants, seed: int) -> Result:
+    """Table 3: attention + gated MLP tail; `layers` > 1 shares one plan per step."""
+    c = cfg["mlp_proxy"]
+    trace = synthetic_trace(cfg, c["family"], seed)
+    shape = shape_of(cfg)
+    frames = []
+    for layers in c["layers"]:
+        job = Job("mlp_proxy", trace.name, c["family"], c["max_active"], seed, shape.group, layers=layers)
+        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["adaptive"]), k,
+                           point_key(c["family"], c["max_active"]), tail=gated_mlp(shape, c["width"], seed)))
+    return pd.concat(frames, ignore_index=True), _meta(trace, mlp_width=c["width"])
+
+
+def external(cfg: dict, k: Constants, path: Path) -> Result:
+    """The Azure trace through the file-based trace path, with its transform recorded."""
+    c = cfg["external"]
+    trace = external_trace(cfg, path)
+    shape = shape_of(cfg)
+    seed = cfg["seeds"]["ablation"]
+    job = Job("external", trace.name, "external", c["max_active"], seed, shape.group)
+    op = c["operating_point"]
+    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k, point_key(op["family"], op["max_active"]))
+    return frame, _meta(trace, step_ms=c["step_ms"])
+
+
+def nsight_trace(cfg: dict, k: Constants) -> Result:
+    """The short B8 trace profiled under ncu (issue 6): same loop, no graph replay."""
+    c = cfg["nsight_capture"]
+    seed = cfg["seeds"]["ablation"]
+    trace = synthetic_trace(cfg, c["family"], seed)
+    shape = shape_of(cfg)
+    job = Job("nsight", trace.name, c["family"], c["max_active"], seed, shape.group)
+    cfg = {**cfg, "measure": {**cfg["measure"], "graph": False}}
+    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k,
+                 point_key(c["family"], c["max_active"]), max_steps=c["max_steps"])
+    return frame, _meta(trace)

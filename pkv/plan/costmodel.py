@@ -1,0 +1,312 @@
+"""The calibrated roofline route policy of paper §3.5.
+
+For every candidate route r of a decode step
+
+    T_r = KVBytes_r / beta * max(1, C_min / C_r) + L_r * lambda + MergeBytes_r / beta + H_r
+
+with C_r the decode CTA work per SM, L_r the launch count and H_r the route's host time
+per step outside the device span (planning, launch submission). H_r extends the paper's
+device-time roofline: serving pays for it every step, and on the H200 it is most of a
+short step (FlashInfer's plan() about 0.5 ms against about 0.2 ms for ours, measured at
+calibration), so a device-only model keeps FlashInfer where it loses on wall time. A
+route with no calibrated H_r (CPU smoke, hand-built constants) is costed at 0. FlashInfer routes are
+estimated with one launch and `baseline_ctas_per_head[r]` CTAs per (row, KV head), the
+effective split its own planner exposes, fitted at calibration. A PersistentKV route
+must pass the eligibility gates (calibrated GQA group, long enough context) and beat the
+best FlashInfer estimate by the promotion margin for the step's active count.
+All constants come from `constants.json` written by `pkv calibrate` on the GPU present.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, slot_bytes, workqueue_chunk, workqueue_row_splits
+from pkv.core.shape import Shape
+
+
+@dataclass(frozen=True)
+class Constants:
+    device: str
+    beta: float                      # streaming bandwidth, bytes/s
+    launch_s: float                  # lambda, seconds per launch
+    sm_count: int
+    c_min: float                     # occupancy target, CTAs per SM
+    baseline_ctas_per_head: dict     # FlashInfer-like route -> effective CTAs per (row, KV head)
+    margins: tuple                   # ((max_active, margin), ...), ascending max_active
+    supported_groups: tuple
+    min_context: int
+    min_tiles_per_split: int
+    operating_points: dict = field(default_factory=dict)   # "family-bN" -> {"bucket": S, "workqueue": S}
+    host_s: dict = field(default_factory=dict)             # route -> H_r, seconds per step
+
+    def __post_init__(self) -> None:
+        if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
+            raise ValueError(f"constants out of range: beta={self.beta}, lambda={self.launch_s}, "
+                             f"sm_count={self.sm_count}, c_min={self.c_min}")
+        if any(v < 0 for v in self.host_s.values()):
+            raise ValueError(f"negative host time in {self.host_s}")
+        if not self.baseline_ctas_per_head:
+            raise ValueError("constants name no baseline route")
+
+    def margin(self, active: int) -> float:
+        for max_active, margin in self.margins:
+            if active <= max_active:
+                return float(margin)
+        return float(self.margins[-1][1])
+
+    def split(self, point: str, kind: str) -> int:
+        """Frozen split of schedule `kind` at operating point `point` (fused uses workqueue's,
+        masked uses bucket's)."""
+        if point not in self.operating_points:
+            raise ValueError(f"no frozen operating point {point!r}; calibrated: {', '.join(sorted(self.operating_points))}")
+        return int(self.operating_points[point][{"fused": "workqueue", "masked": "bucket"}.get(kind, kind)])
+
+    def at(self, point: str) -> "Constants":
+        """These constants as the router applies them at operating point `point`: its own
+        host times (H_r measured at that point, `operating_points[point]["host_s"]`) over
+        the global medians. Constants without per-point host times are returned as is."""
+        local = self.operating_points.get(point, {}).get("host_s")
+        return dataclasses.replace(self, host_s={**self.host_s, **local}) if local else self
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "Constants":
+        return cls(
+            device=d["device"], beta=float(d["beta_bytes_per_s"]), launch_s=float(d["launch_overhead_s"]),
+            sm_count=int(d["sm_count"]), c_min=float(d["c_min"]),
+            baseline_ctas_per_head={k: float(v) for k, v in d["baseline_ctas_per_head"].items()},
+            margins=tuple((int(m["max_active"]), float(m["margin"])) for m in d["margins"]),
+            supported_groups=tuple(int(g) for g in d["supported_groups"]), min_context=int(d["min_context"]),
+            min_tiles_per_split=int(d["min_tiles_per_split"]), operating_points=d.get("operating_points", {}),
+            host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
+        )
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Constants":
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+@dataclass(frozen=True)
+class RouteCost:
+    """What T_r needs of one route on one step."""
+
+    route: str
+    kv_bytes: float
+    ctas: float
+    launches: int
+    merge_bytes: float
+
+
+def estimate(cost: RouteCost, k: Constants) -> float:
+    occupancy = cost.ctas / k.sm_count
+    stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
+    return (cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
+            + k.host_s.get(cost.route, 0.0))
+
+
+# The two PersistentKV routes, costed in closed form from the step's lengths: the same
+# counts pkv.plan.schedule's bucket and workqueue schedules produce (row-local bounds, so KV
+# bytes read = useful bytes), without building the task lists on the hot path. These run
+# once per decode step for a batch of a few to a few dozen rows, where plain Python ints
+# cost a fraction of numpy's per-call overhead (measured: about 95 us a step with numpy).
+
+
+def _lengths(seq_lens) -> list[int]:
+    return seq_lens.tolist() if isinstance(seq_lens, np.ndarray) else [int(n) for n in seq_lens]
+
+
+def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost:
+    """A FlashInfer-like single-launch route reading every useful KV byte once."""
+    lens = _lengths(seq_lens)
+    ctas = len(lens) * shape.num_kv_heads * k.baseline_ctas_per_head[route]
+    return RouteCost(route, float(sum(lens) * shape.kv_bytes_per_token), ctas, 1, 0.0)
+
+
+def bucket_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
+    """Exact length buckets: one grid launch per distinct length (+ its merge if split)."""
+    lens = _lengths(seq_lens)
+    tasks = launches = merged_tasks = 0
+    for length, rows in Counter(lens).items():
+        splits = policy.for_length(length)
+        bucket_tasks = rows * shape.num_kv_heads * splits
+        tasks += bucket_tasks
+        launches += 1 + (splits > 1)
+        merged_tasks += bucket_tasks if splits > 1 else 0
+    return RouteCost("bucket", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), launches,
+                     float(merged_tasks * slot_bytes(shape)))
+
+
+def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
+    """Compact workqueue: chunks sized by the longest row, one launch (+ one merge)."""
+    lens = _lengths(seq_lens)
+    row_splits = workqueue_row_splits(lens, policy)
+    tasks = sum(row_splits) * shape.num_kv_heads
+    merging = max(row_splits) > 1
+    return RouteCost("workqueue", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), 1 + merging,
+                     float(tasks * slot_bytes(shape)) if merging else 0.0)
+
+
+def eligible(shape: Shape, seq_lens, k: Constants) -> bool:
+    """The hard gates: calibrated GQA group and a long-context step."""
+    return shape.group in k.supported_groups and max(_lengths(seq_lens)) >= k.min_context
+
+
+@dataclass(frozen=True)
+class Decision:
+    route: str
+    estimate_s: float
+    estimates: dict   # route -> T_r, every candidate considered
+
+
+def choose(baselines: list[RouteCost], candidates: list[RouteCost], active: int, k: Constants) -> Decision:
+    """The cheapest baseline, unless the cheapest candidate clears the promotion margin.
+
+    `candidates` must already have passed `eligible`; an empty list keeps the baseline.
+    """
+    if not baselines:
+        raise ValueError("choose() needs at least one baseline route")
+    est = {c.route: estimate(c, k) for c in (*baselines, *candidates)}
+    base = min(baselines, key=lambda c: (est[c.route], c.route)).route
+    if candidates:
+        best = min(candidates, key=lambda c: (est[c.route], c.route)).route
+        if est[base] >= k.margin(active) * est[best]:
+            return Decision(best, est[best], est)
+    return Decision(base, est[base], est)
+
+
+class Router:
+    """The per-step decision of `choose` over fixed routes, fast enough to pay for itself.
+
+    Everything that does not change from step to step (shape terms, each route's policy
+    and constants, the margin of each active count) is taken once, here. A step costs:
+
+    - a cache lookup on its signature: the active request ids, the longest row's tile and
+      whether the step passes the context gate. Within one active set every row grows by
+      one token a step, so the rows' relative order, their distinct lengths and the bucket
+      structure are fixed, and estimates move by a few tokens' worth of bytes across the
+      32 steps of a tile; the decision is taken at the first step of each signature and
+      reused (tests check it equals the uncached decision on recorded traces; a reused
+      decision's estimate_s is that of its signature's first step);
+    - on a miss (about one step in eight on the serving traces: the active set changed),
+      the exact decision from integer counts: plain Python ints up to SMALL rows (split
+      counts memoized per tile count), a handful of vectorized numpy ops above; the
+      route costs and estimates equal bucket_cost/workqueue_cost/baseline_cost's.
+
+    `cache=False` gives the uncached decision (every step evaluated exactly).
+    """
+
+    SMALL = 48          # up to this many rows, plain Python beats numpy's per-call overhead
+    MAX_ENTRIES = 4096
+
+    def __init__(self, shape: Shape, k: Constants, baselines, policies: dict, cache: bool = True):
+        self.k, self.shape = k, shape
+        self.baselines = tuple(baselines)
+        self.policies = dict(policies)          # "bucket"/"workqueue" -> SplitPolicy; empty = gated out
+        self.kvb, self.h, self.slot = shape.kv_bytes_per_token, shape.num_kv_heads, slot_bytes(shape)
+        self.base_cta = {b: k.baseline_ctas_per_head[b] for b in self.baselines}
+        self.group_ok = bool(self.policies) and shape.group in k.supported_groups
+        self.cache = {} if cache else None
+        self._split_memo: dict = {}
+        self.hits = self.misses = 0
+
+    def decide(self, request_ids: np.ndarray, seq_lens: np.ndarray) -> Decision:
+        active = len(seq_lens)
+        longest = int(seq_lens.max())
+        gate = self.group_ok and longest >= self.k.min_context
+        if self.cache is None:
+            return self._exact(seq_lens, active, longest, gate)
+        key = (request_ids.tobytes(), (longest + 31) >> 5, gate)
+        hit = self.cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            return hit
+        self.misses += 1
+        d = self._exact(seq_lens, active, longest, gate)
+        if len(self.cache) >= self.MAX_ENTRIES:
+            self.cache.clear()
+        self.cache[key] = d
+        return d
+
+    def _exact(self, seq_lens: np.ndarray, active: int, longest: int, gate: bool) -> Decision:
+        small = active <= self.SMALL
+        if small:
+            lens = seq_lens.tolist()
+            total = sum(lens)
+        else:
+            lens = None
+            total = int(seq_lens.sum(dtype=np.int64))
+        kv_bytes = float(total * self.kvb)
+        base = [RouteCost(b, kv_bytes, active * self.h * self.base_cta[b], 1, 0.0) for b in self.baselines]
+        cands = []
+        if gate:
+            if small:
+                tiles = [-(-n // TILE_TOKENS) for n in lens]           # pkv.plan.schedule.num_tiles, inlined
+            else:
+                tiles = (seq_lens.astype(np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
+            longest_tiles = -(-longest // TILE_TOKENS)
+            for kind, policy in self.policies.items():
+                if kind == "bucket":
+                    tasks, launches, merged = (self._bucket_small(lens, tiles, policy) if small
+                                               else self._bucket_array(seq_lens, tiles, policy))
+                else:
+                    tasks, launches, merged = self._workqueue(tiles, longest, longest_tiles, policy, small)
+                cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches,
+                                       float(merged * self.h * self.slot)))
+        return choose(base, cands, active, self.k)
+
+    def _splits_of(self, policy: SplitPolicy) -> dict:
+        """tile count -> SplitPolicy.for_length, memoized across steps (one rule, asked once)."""
+        memo = self._split_memo.get(policy)
+        if memo is None:
+            memo = self._split_memo[policy] = {}
+        return memo
+
+    def _bucket_small(self, lens: list, tiles: list, policy: SplitPolicy):
+        """(split tasks per KV head, launches, merged tasks per KV head) of bucket_schedule."""
+        memo = self._splits_of(policy)
+        tasks = launches = merged = 0
+        seen = set()
+        for n, t in zip(lens, tiles):
+            s = memo.get(t)
+            if s is None:
+                s = memo[t] = policy.for_length(t * TILE_TOKENS)
+            if n not in seen:
+                seen.add(n)
+                launches += 2 if s > 1 else 1
+            tasks += s
+            if s > 1:
+                merged += s
+        return tasks, launches, merged
+
+    @staticmethod
+    def _bucket_array(arr: np.ndarray, tiles: np.ndarray, policy: SplitPolicy):
+        s = np.minimum((tiles + (policy.min_tiles_per_split - 1)) // policy.min_tiles_per_split, policy.splits)
+        tasks = int(s.sum())
+        singles = int(np.count_nonzero(s == 1))
+        ordered = np.sort(arr)
+        change = ordered[1:] != ordered[:-1]
+        distinct = int(np.count_nonzero(change)) + 1
+        # Distinct lengths whose bucket splits (s > 1): s is monotone in the length.
+        first_split = int(np.searchsorted(ordered, TILE_TOKENS * policy.min_tiles_per_split, side="right"))
+        if policy.splits > 1 and first_split < len(ordered):
+            split_distinct = int(np.count_nonzero(change[first_split:])) + 1
+        else:
+            split_distinct = 0
+        return tasks, distinct + split_distinct, tasks - singles
+
+    @staticmethod
+    def _workqueue(tiles, longest: int, longest_tiles: int, policy: SplitPolicy, small: bool):
+        """(tasks per KV head, launches, merged tasks per KV head) of workqueue_schedule."""
+        chunk = workqueue_chunk(longest, policy)
+        if small:
+            tasks = sum([-(-t // chunk) for t in tiles])
+        else:
+            tasks = int(((tiles + (chunk - 1)) // chunk).sum())
+        merging = -(-longest_tiles // chunk) > 1       # the longest row has the most splits
+        return tasks, 1 + merging, tasks if merging else 0

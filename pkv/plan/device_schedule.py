@@ -1,0 +1,113 @@
+"""The v4 kernel's device-side split rule, in Python (what every CTA of csrc/graph_decode.cu computes).
+
+A step's work is H * sum_r tiles(r) units (one unit = one TILE_TOKENS tile of one KV
+head); segment (r, h) holds units [H * exc_r + h * tiles_r, + tiles_r) where exc_r sums
+the tiles of the rows before r. With n CTAs (`active_ctas`), CTA j
+owns units [j W / n, (j + 1) W / n): equal to one tile, whatever the mix of lengths. A
+segment inside one CTA is written directly; a segment cut across CTAs j0..j1 leaves one
+partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
+last piece otherwise) and the last CTA to finish merges them.
+
+This module is the CPU oracle of that rule: `graph_schedule` turns it into a
+pkv.plan.schedule.Schedule (one queue launch, tasks in segment order) that
+pkv.kernels.reference.run_schedule executes, and `graph_pieces` lists each CTA's pieces with
+the slots the kernel uses, for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
+
+GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
+GRAPH_MIN_TILES = 8     # default smallest CTA range, in tiles (docs/perf-notes.md, v4)
+
+
+@dataclass(frozen=True)
+class Piece:
+    cta: int
+    row: int
+    kv_head: int
+    t_begin: int
+    t_end: int
+    slot: int        # partial-state slot, -1 when the CTA owns the whole segment
+    merger_slots: tuple[int, ...]  # the segment's slots in merge order (empty when direct)
+
+
+def active_ctas(seq_lens: np.ndarray, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES) -> int:
+    """CTAs that get work: at most the grid, no range under min_tiles, and with fewer
+    segments than CTAs a multiple of the segment count (no CTA straddles two segments)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    work = int(num_tiles(lens).sum()) * num_kv_heads
+    n = min(num_ctas, -(-work // min_tiles))
+    segments = int((lens > 0).sum()) * num_kv_heads
+    if 0 < segments <= n:
+        n = n // segments * segments
+    return n
+
+
+def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES) -> list[Piece]:
+    """Every CTA's pieces, in CTA order, exactly as the kernel cuts them (rows of length 0 are padding)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if lens.ndim != 1 or len(lens) > GRAPH_MAX_ROWS or (lens < 0).any():
+        raise ValueError(f"seq_lens must be 1-D, >= 0, at most {GRAPH_MAX_ROWS} rows")
+    h = num_kv_heads
+    tiles = num_tiles(lens)
+    inc = np.cumsum(tiles)
+    work = int(inc[-1]) * h if len(lens) else 0
+    n = active_ctas(lens, h, num_ctas, min_tiles)
+    if work == 0:
+        return []
+
+    def cta_of(u: int) -> int:
+        return ((u + 1) * n - 1) // work
+
+    pieces = []
+    for j in range(n):
+        lo, hi = j * work // n, (j + 1) * work // n
+        u = lo
+        r = int(np.searchsorted(h * inc, lo, side="right"))
+        while u < hi:
+            while h * int(inc[r]) <= u:
+                r += 1
+            exc = int(inc[r - 1]) if r else 0
+            t = int(tiles[r])
+            row_base = h * exc
+            head = (u - row_base) // t
+            seg_begin = row_base + head * t
+            seg_end = seg_begin + t
+            piece_end = min(hi, seg_end)
+            j0, j1 = cta_of(seg_begin), cta_of(seg_end - 1)
+            t_begin = (u - seg_begin) * TILE_TOKENS
+            t_end = min((piece_end - seg_begin) * TILE_TOKENS, int(lens[r]))
+            if j0 == j1:
+                pieces.append(Piece(j, r, head, t_begin, t_end, -1, ()))
+            else:
+                first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
+                merger = (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
+                pieces.append(Piece(j, r, head, t_begin, t_end, 2 * j if u == lo else 2 * j + 1, merger))
+            u = piece_end
+    return pieces
+
+
+def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES) -> Schedule:
+    """The pieces as one queue launch (tasks grouped by segment) for pkv.kernels.reference.run_schedule."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    pieces = sorted(graph_pieces(lens, num_kv_heads, num_ctas, min_tiles), key=lambda p: (p.row, p.kv_head, p.t_begin))
+    rows = np.flatnonzero(lens > 0).astype(np.int32)
+    segs = {}
+    for p in pieces:
+        segs.setdefault((p.row, p.kv_head), []).append(p)
+    tasks, offsets = [], [0]
+    for r in rows.tolist():
+        for g in range(num_kv_heads):
+            for split, p in enumerate(segs[(r, g)]):
+                tasks.append((r, g, split, p.t_begin, p.t_end))
+            offsets.append(len(tasks))
+    task_arr = np.asarray(tasks, dtype=np.int32).reshape(-1, 5)
+    splits = int(np.diff(offsets).max()) if len(offsets) > 1 else 1
+    launch = Launch("queue", rows, splits, task_arr, np.asarray(offsets, dtype=np.int32), lens[rows].astype(np.int32))
+    return Schedule("workqueue", num_kv_heads, (launch,))

@@ -1,0 +1,1 @@
+"""Tables and figures from Parquet alone (no torch): the report spec, the tables, figures, ratios and the run comparison."""

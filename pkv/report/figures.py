@@ -1,0 +1,190 @@
+"""The report's figures, one function per PNG, from the rows pkv.report.tables loads.
+
+Each figure function returns the PNG's bytes; pkv.report.tables writes them (all or nothing).
+Shares its ratios and labels with the tables through pkv.report.ratios (no import of pkv.report.tables).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Callable
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
+import pandas as pd  # noqa: E402
+import seaborn as sns  # noqa: E402
+
+from pkv.report import ratios as rep  # noqa: E402
+from pkv.config.resolve import SMOKE_BANNER  # noqa: E402
+from pkv.report.spec import FIGURE_SPECS  # noqa: E402
+
+TIMING_LABELS = {"wall": "wall (synchronized step)", "cuda": "CUDA events", "graph": "CUDA-graph replay"}
+
+
+def _baseline_name(frame: pd.DataFrame) -> str:
+    base = rep.baselines(frame)
+    return "FP32 reference (FlashInfer stand-in)" if base == ["reference"] else "faster FlashInfer variant"
+
+
+def _layout(fig, ax_title: str, smoke: bool):
+    fig.suptitle(ax_title + (f"\n{SMOKE_BANNER}" if smoke else ""), fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def _finish(fig, ax_title: str, smoke: bool) -> bytes:
+    _layout(fig, ax_title, smoke)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _long_ratios(frame: pd.DataFrame, keys: list[str], engine: str) -> pd.DataFrame:
+    r = rep.ratios(frame, keys)
+    r = r[r["engine"] == engine]
+    long = r.melt(id_vars=keys, value_vars=[f"{t}_ratio" for t in ("wall", "cuda", "graph")], var_name="timing",
+                  value_name="ratio").dropna(subset=["ratio"])
+    long["timing"] = long["timing"].str.removesuffix("_ratio").map(TIMING_LABELS)
+    return long
+
+
+def serving_ratios(frame: pd.DataFrame, smoke: bool) -> bytes:
+    fig = serving_ratios_figure(frame, smoke)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def serving_ratios_figure(frame: pd.DataFrame, smoke: bool):
+    """The laid-out (not yet saved) serving-ratio figure; tests check it for overlaps."""
+    long = _long_ratios(frame, ["family", "max_active", "seed"], "adaptive")
+    order = [rep.trace_label(f, b) for f, b in rep.trace_order(frame)]
+    long["trace"] = [rep.trace_label(f, b) for f, b in zip(long["family"], long["max_active"])]
+    # Two-line tick labels ("Homogeneous" over "B8") never overlap; the legend sits above
+    # the axes, clear of the bars.
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(order) + 1), 4.8))
+    sns.barplot(long, x="trace", y="ratio", hue="timing", order=order, errorbar="sd", capsize=0.15, ax=ax)
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
+    ax.set_xticks(range(len(order)), [label.replace(" ", "\n") for label in order])
+    ax.set_xlabel("trace family, max active requests")
+    ax.set_ylabel("decode-token throughput ratio (×)")
+    ax.legend(title="timing (error bars: std over seeds)", fontsize=8, title_fontsize=8, ncols=4,
+              loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    return _layout(fig, f"Adaptive route over the {_baseline_name(frame)}, held-out seeds", smoke)
+
+
+def latency_vs_context(frame: pd.DataFrame, smoke: bool) -> bytes:
+    f = frame.copy()
+    f["device_ms"] = f["graph_s"].fillna(f["cuda_s"]).fillna(f["wall_s"]) * 1e3
+    med = f.groupby(["engine", "split", "max_len"], sort=True, observed=True)["device_ms"].median().reset_index()
+    # PersistentKV at its best split per context (auto split), every other engine as is.
+    best = med.loc[med.groupby(["engine", "max_len"], observed=True)["device_ms"].idxmin()]
+    best["engine"] = [e + " (auto split)" if e.startswith("pkv-") else e for e in best["engine"]]
+    timing = "CUDA-graph replay" if f["graph_s"].notna().any() else "CUDA events" if f["cuda_s"].notna().any() else "wall"
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    sns.lineplot(best, x="max_len", y="device_ms", hue="engine", style="engine", markers=True, dashes=False, ax=ax)
+    ax.set_xscale("log", base=2)
+    contexts = sorted(best["max_len"].unique())
+    ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 else str(c) for c in contexts])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel(f"latency per call, median (ms, {timing})")
+    ax.legend(title="engine", fontsize=8, title_fontsize=8)
+    return _finish(fig, "Isolated decode attention, B=1, 50% holes", smoke)
+
+
+def split_sensitivity(frame: pd.DataFrame, smoke: bool) -> bytes:
+    sens = frame[frame["stage"] == "split_sensitivity"]
+    b4 = frame[frame["stage"] == "b4_sweep"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
+    for ax, rows, engine, title in ((axes[0], sens, "adaptive", "cost-model policy at forced split (ablation seed)"),
+                                    (axes[1], b4, "pkv-workqueue", "B4 workqueue sweep (std over seeds)")):
+        long = _long_ratios(rows, ["family", "max_active", "seed", "split"], engine)
+        long = long[long["timing"] == TIMING_LABELS["wall"]]
+        long["trace"] = [rep.trace_label(f, b) for f, b in zip(long["family"], long["max_active"])]
+        sns.lineplot(long, x="split", y="ratio", hue="trace", marker="o", errorbar="sd", ax=ax)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
+        ax.set_xlabel("sequence splits per row (longest row)")
+        ax.set_ylabel(f"wall throughput ratio over the\n{_baseline_name(frame)} (×)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_title(title, fontsize=10)
+        ax.legend(title="trace", fontsize=8, title_fontsize=8)
+    return _finish(fig, "Split-count sensitivity", smoke)
+
+
+def launches_per_step(frame: pd.DataFrame, smoke: bool) -> bytes:
+    f = frame.copy()
+    f["trace"] = [rep.trace_label(fa, b) for fa, b in zip(f["family"], f["max_active"])]
+    order = [rep.trace_label(fa, b) for fa, b in rep.trace_order(f)]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    sns.barplot(f, x="trace", y="launches", hue="engine", order=order, hue_order=sorted(f["engine"].unique()),
+                errorbar=None, ax=ax)
+    ax.set_xlabel("trace family, max active requests")
+    ax.set_ylabel("kernel launches per decode step (mean)")
+    ax.legend(title="engine", fontsize=8, title_fontsize=8, ncols=2)
+    return _finish(fig, "Launch fan-out per decode step (held-out seeds)", smoke)
+
+
+def coverage(frame: pd.DataFrame, smoke: bool) -> bytes:
+    parts = []
+    for stage in ("serve", "gqa_sweep"):
+        s = frame[frame["stage"] == stage]
+        if s.empty:
+            continue
+        r = rep.ratios(s, ["family", "max_active", "group", "seed"])
+        r["regime"] = [rep.trace_label(f, b) + (f", G={g}" if stage == "gqa_sweep" else "")
+                       for f, b, g in zip(r["family"], r["max_active"], r["group"])]
+        parts.append(r.groupby(["regime", "engine"], observed=True)["wall_ratio"].mean().reset_index())
+    grid = pd.concat(parts).pivot(index="regime", columns="engine", values="wall_ratio").sort_index()
+    fig, ax = plt.subplots(figsize=(1.6 + 1.2 * grid.shape[1], 1.2 + 0.45 * grid.shape[0]))
+    sns.heatmap(grid, annot=True, fmt=".2f", center=1.0, cmap="RdBu", cbar_kws={"label": "wall throughput ratio (×)"}, ax=ax)
+    ax.grid(False)
+    ax.set_xlabel("engine")
+    ax.set_ylabel("regime (trace, max active, GQA group)")
+    return _finish(fig, f"Coverage: wall throughput over the {_baseline_name(frame)}", smoke)
+
+
+def nsight(frame: pd.DataFrame, smoke: bool) -> bytes:
+    fig, (t_ax, bw_ax) = plt.subplots(1, 2, figsize=(10, 3.6), sharey=True)
+    if frame.empty:
+        for ax in (t_ax, bw_ax):
+            ax.set_axis_off()
+        t_ax.text(0.0, 0.5, "no Nsight Compute capture in this results folder (nsight: false)", fontsize=11)
+        return _finish(fig, "Nsight Compute counters per kernel", smoke)
+    order = sorted(frame["kernel"].unique())
+    sns.barplot(frame, y="kernel", x="time_us", order=order, errorbar="sd", capsize=0.15, ax=t_ax)
+    t_ax.set_xlabel("time per invocation (µs)")
+    t_ax.set_ylabel("kernel")
+    sns.barplot(frame, y="kernel", x="dram_read_gbps", order=order, errorbar="sd", capsize=0.15, ax=bw_ax)
+    roofline = float(frame["roofline_gbps"].iloc[0])
+    bw_ax.axvline(roofline, color="black", linestyle="--", linewidth=1, label=f"read roofline β = {roofline:.0f} GB/s")
+    bw_ax.set_xlabel("DRAM read bandwidth (GB/s)")
+    bw_ax.set_ylabel("")
+    bw_ax.legend(loc="lower right", fontsize=8)
+    return _finish(fig, "Nsight Compute counters per kernel (error bars: std over invocations)", smoke)
+
+
+@dataclass(frozen=True)
+class Figure:
+    stages: tuple[str, ...]
+    draw: Callable[[pd.DataFrame, bool], bytes]
+    required: bool = True  # False: drawn (saying so) when the stage has no Parquet
+
+
+_DRAW = {"serving_ratios": serving_ratios, "latency_vs_context": latency_vs_context,
+         "split_sensitivity": split_sensitivity, "launches_per_step": launches_per_step, "coverage": coverage,
+         "nsight": nsight}
+FIGURES = {name: Figure(spec.stages, _DRAW[name], spec.required) for name, spec in FIGURE_SPECS.items()}
+
+
+def draw(name: str, frame: pd.DataFrame, smoke: bool) -> bytes:
+    """The PNG bytes of figure `name`."""
+    sns.set_theme(style="whitegrid", context="paper")
+    return FIGURES[name].draw(frame, smoke)

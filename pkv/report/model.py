@@ -1,0 +1,254 @@
+"""The model-level decode step's table and figure, from the Parquet of pkv.measure.model_step only.
+
+    python -m pkv.report.model --target results/tables/model_step.md --target results/figures/model_step.png
+
+reads RESULTS_DIR/raw/model_step/*.parquet (RESULTS_DIR: two levels above the first
+target, or given). Per model shape x batch bucket x trace x engine: median serial wall and
+device time of the steps that ran in that bucket (pooled over the max_active jobs), the
+pipelined throughput of the job served at max_active = bucket, the
+ratios over FlashInfer's CUDA-graph path (speed-ups: > 1 is faster), pkv-graph's
+prepare() host time, and correctness failures. Over several seeds, a ratio is mean±std
+of the per-seed ratios. `t_model_step(raw)` and `plot_model_step(frame, smoke, path)`
+have pkv.report.tables's table and figure signatures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.parquet as pq
+from tabulate import tabulate
+
+from pkv.core.io import atomic_write_bytes, atomic_write_text, read_meta
+from pkv.config.resolve import SMOKE_BANNER
+from pkv.report.ratios import mean_sd, modal_route, num
+
+STAGE = "model_step"
+RATIO_BASES = ("flashinfer-graph", "reference")   # the first present is the ratio's denominator
+ENGINE_ORDER = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference")
+TITLE = "Model-level decode step: N layers, one CUDA graph per batch bucket"
+KEYS = ["model", "bucket", "family"]   # a synthetic trace is (family, seed); seeds aggregate
+
+
+def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
+    files = sorted((root / "raw" / STAGE).glob("*.parquet"))
+    if not files:
+        raise ValueError(f"no Parquet under {root / 'raw' / STAGE}; run `python -m pkv.measure.model_step` first")
+    metas = [read_meta(f) for f in files]
+    gpus = sorted({m.get("gpu", "unknown") for m in metas})
+    if len(gpus) > 1:
+        raise ValueError(f"{root} mixes results from several GPU models ({', '.join(gpus)})")
+    return pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True), metas
+
+
+def ratio_base(frame: pd.DataFrame) -> str:
+    present = set(frame["engine"])
+    return next((b for b in RATIO_BASES if b in present), sorted(present)[0])
+
+
+def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
+    """One row per (KEYS, seed, engine): medians over steps, pipelined tok/s, ratios over the base."""
+    steps = frame[frame["kind"] == "step"]
+    g = steps.groupby([*KEYS, "seed", "engine"], sort=True, observed=True)
+    out = pd.DataFrame({
+        "steps": g.size(),
+        "wall_ms": g["wall_s"].median() * 1e3,
+        "device_ms": g["device_s"].median() * 1e3,
+        "prepare_us": g["prepare_s"].median() * 1e6,
+        "fails": g["failed"].sum(),
+        "checked": g["rel_err"].count(),
+        "max_rel_err": g["rel_err"].max(),
+        "route": g["route"].agg(modal_route),
+        "mean_context": g["total_tokens"].sum() / g["active"].sum(),
+    })
+    pipe = frame[frame["kind"] == "pipelined"].groupby([*KEYS, "seed", "engine"], sort=True, observed=True)
+    out["pipelined_tps"] = pipe["tokens"].sum() / pipe["wall_s"].sum()
+    out = out.reset_index()
+    base = out[out["engine"] == ratio_base(frame)].set_index([*KEYS, "seed"])
+    joined = out.join(base[["wall_ms", "device_ms", "pipelined_tps"]].add_suffix("_base"), on=[*KEYS, "seed"])
+    out["wall_x"] = joined["wall_ms_base"] / joined["wall_ms"]
+    out["device_x"] = joined["device_ms_base"] / joined["device_ms"]
+    out["pipelined_x"] = joined["pipelined_tps"] / joined["pipelined_tps_base"]
+    return out
+
+
+def _trace_label(family: str) -> str:
+    return "Azure conv" if family == "external" else family
+
+
+def _engine_rank(engine: str) -> int:
+    return ENGINE_ORDER.index(engine) if engine in ENGINE_ORDER else len(ENGINE_ORDER)
+
+
+def table(frame: pd.DataFrame) -> pd.DataFrame:
+    """The formatted table: one row per model x bucket x trace x engine."""
+    s = per_seed(frame)
+    base = ratio_base(frame)
+    rows = []
+    groups = s.groupby([*KEYS, "engine"], sort=False, observed=True)
+    order = sorted(groups.groups, key=lambda k: (k[0], k[1], k[2] == "external", k[2], _engine_rank(k[3])))
+    for key in order:
+        g = groups.get_group(key)
+        model, bucket, family, engine = key
+        rows.append({
+            "Model": model, "Bucket": int(bucket), "Trace": _trace_label(family), "Engine": engine,
+            "Route": g["route"].iloc[0] if g["route"].nunique() == 1 else "mixed",
+            "Seeds": g["seed"].nunique(), "Steps": int(g["steps"].sum()),
+            "Context (mean)": num(g["mean_context"].mean(), ".0f"),
+            "Wall ms": num(g["wall_ms"].median(), ".3f"), "Device ms": num(g["device_ms"].median(), ".3f"),
+            "Pipelined tok/s": num(g["pipelined_tps"].mean(), ".0f"),
+            f"Wall × {base}": mean_sd(g["wall_x"]), f"Device × {base}": mean_sd(g["device_x"]),
+            f"Pipelined × {base}": mean_sd(g["pipelined_x"]),
+            "Prepare µs": num(g["prepare_us"].median(), ".1f"),
+            "Check fails": f"{int(g['fails'].sum())}/{int(g['checked'].sum())}",
+        })
+    return pd.DataFrame(rows)
+
+
+def t_model_step(raw) -> pd.DataFrame:
+    """pkv.report.tables's table signature (a Raw with .frame)."""
+    return table(raw.frame)
+
+
+CAPTION = ("Each trace is served at max_active = 1, 8 and 32 (continuous batching), and decode steps evenly "
+           "spaced over it are measured; a step of b rows runs in the smallest bucket >= b (padded). Per bucket: "
+           "medians over the steps that ran in it (serial pass; wall: host prepare + launch + synchronize; "
+           "device: CUDA events around the graph replay, or around the eager layers); pipelined tok/s: the job "
+           "served at max_active = bucket, all its steps back to back (the host prepares step t+1 while the GPU "
+           "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph; the FP32 reference on the "
+           "CPU) as speed-ups (> 1 = faster; mean±std over seeds). Prepare µs: the host prepare()/plan() of one "
+           "step. Check fails / checked: steps whose final hidden state left the tolerance against the "
+           "correctness baseline's (FlashInfer eager; the FP32 reference on the CPU) for the same input. Every "
+           "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
+
+
+def provenance_line(metas: list[dict]) -> str:
+    keys = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
+    parts = [f"{len(metas)} Parquet file(s)"]
+    for k in keys:
+        parts.append(f"{k}: {', '.join(sorted({m.get(k, 'unknown') for m in metas})) or '–'}")
+    skipped = sorted({j for m in metas for j in _json_list(m.get("skipped", "[]"))})
+    if skipped:
+        parts.append(f"skipped past the time budget: {', '.join(skipped)}")
+    dropped = sorted({f"{k} ({v})" for m in metas for k, v in _json_dict(m.get("engine_errors", "{}")).items()})
+    if dropped:
+        parts.append(f"engines dropped (capture or warm-up failed): {'; '.join(dropped)}")
+    commands = sorted({m.get("command", "") for m in metas} - {""})
+    if commands:
+        parts.append(f"command: `{'`; `'.join(commands)}`")
+    return "; ".join(parts)
+
+
+def _json_dict(text: str) -> dict:
+    import json
+
+    try:
+        return dict(json.loads(text))
+    except ValueError:
+        return {}
+
+
+def _json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        return list(json.loads(text))
+    except ValueError:
+        return []
+
+
+def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
+    smoke = any(m.get("profile") == "smoke" for m in metas)
+    banner = f"> **{SMOKE_BANNER}.**\n\n" if smoke else ""
+    body = tabulate(table(frame), headers="keys", tablefmt="github", showindex=False, disable_numparse=True)
+    return f"# {TITLE}\n\n{banner}{CAPTION}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
+
+
+def plot_model_step(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
+    """Serial wall and device time per step over the step's KV tokens, per engine; one column per model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
+
+    steps = frame[frame["kind"] == "step"]
+    models = sorted(steps["model"].unique())
+    engines = sorted(steps["engine"].unique(), key=_engine_rank)
+    colors = {e: plt.get_cmap("tab10")(i) for i, e in enumerate(ENGINE_ORDER)}
+    markers = dict(zip(sorted(steps["bucket"].unique()), "os^Dv<>"))
+    fig, axes = plt.subplots(2, len(models), figsize=(5.2 * len(models), 7), squeeze=False, sharex="col")
+    for c, model in enumerate(models):
+        m = steps[steps["model"] == model]
+        for r, (col, label) in enumerate((("wall_s", "serial wall ms / step"), ("device_s", "device ms / step"))):
+            ax = axes[r][c]
+            for engine in engines:
+                e = m[m["engine"] == engine]
+                for b, mk in markers.items():
+                    eb = e[e["bucket"] == b].sort_values("total_tokens")
+                    if eb.empty or eb[col].isna().all():
+                        continue
+                    ax.scatter(eb["total_tokens"], eb[col] * 1e3, s=14, marker=mk, alpha=0.7,
+                               color=colors.get(engine, "gray"),
+                               label=f"{engine}, B{b}" if c == 0 else None)
+            if m[col].isna().all():
+                ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())
+            ax.set_ylabel(label)
+            if r == 0:
+                ax.set_title(f"{model} ({int(m['layers'].iloc[0])} layers)")
+            else:
+                ax.set_xlabel("KV tokens read per layer in the step (sum of context lengths)")
+            ax.grid(True, which="both", alpha=0.3)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    if handles:
+        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
+    fig.suptitle("Model step time over context, per engine" + (f"\n{SMOKE_BANNER}" if smoke else ""), fontsize=11)
+    fig.tight_layout(rect=(0, 0.08 + 0.02 * ((len(labels) - 1) // 4), 1, 1))
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def write_targets(root: Path, targets: list[Path]) -> list[Path]:
+    """Write each target (tables/model_step.md, figures/model_step.png) from root's Parquet."""
+    frame, metas = load(root)
+    smoke = any(m.get("profile") == "smoke" for m in metas)
+    for t in targets:
+        if t.suffix == ".md":
+            atomic_write_text(t, render_md(frame, metas))
+        elif t.suffix == ".png":
+            plot_model_step(frame, smoke, t)
+        else:
+            raise ValueError(f"unknown model-step report target {t}; write a .md table or a .png figure")
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pkv.report.model", description="model-step table and figure from Parquet")
+    p.add_argument("results_dir", nargs="?", help="default: two levels above the first --target")
+    p.add_argument("--target", action="append", default=[], help="model_step.md and/or model_step.png; repeatable")
+    args = p.parse_args(argv)
+    try:
+        targets = [Path(t) for t in args.target]
+        if not args.results_dir and not targets:
+            raise ValueError("give RESULTS_DIR or at least one --target")
+        root = Path(args.results_dir) if args.results_dir else targets[0].resolve().parent.parent
+        targets = targets or [root / "tables" / f"{STAGE}.md", root / "figures" / f"{STAGE}.png"]
+        for t in write_targets(root, targets):
+            print(f"wrote {t}", file=sys.stderr)
+    except (ValueError, OSError) as e:
+        print(f"pkv.report.model: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""Throughput ratios, labels and cell formats the tables and figures share (pkv.report.tables and
+pkv.report.figures both import this; neither imports the other at module level).
+
+An engine's decode-token throughput is sum(active) / sum(time) over a job's steps, per
+timing (wall, CUDA events, CUDA-graph replay); its ratio is over the faster FlashInfer
+variant's for the same keys and timing.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+FLASHINFER = ("flashinfer", "flashinfer-tc")
+TIMINGS = {"wall": "wall_s", "cuda": "cuda_s", "graph": "graph_s"}
+FAMILY_ORDER = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf", "external")
+
+
+def baselines(frame: pd.DataFrame) -> list[str]:
+    present = [b for b in FLASHINFER if b in set(frame["engine"])]
+    return present or ["reference"]
+
+
+def throughputs(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """tok/s per (keys, engine) for each timing; NaN where a timing was not taken."""
+    g = frame.groupby([*keys, "engine"], sort=True, observed=True)
+    out = g["active"].sum().to_frame("tokens")
+    out["steps"] = g.size()
+    for name, col in TIMINGS.items():
+        total = g[col].agg(lambda s: s.to_numpy().sum())   # NaN if any step lacks this timing
+        out[f"{name}_tps"] = out["tokens"] / total
+        out[f"{name}_ms"] = total / out["steps"] * 1e3
+    return out.reset_index()
+
+
+def ratios(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    """Per (keys, engine): throughput ratio over the faster baseline per timing."""
+    t = throughputs(frame, keys)
+    base = baselines(frame)
+    best = t[t["engine"].isin(base)].groupby(keys, sort=True, observed=True)[[f"{n}_tps" for n in TIMINGS]].max()
+    t = t.join(best.add_suffix("_base"), on=keys)
+    for name in TIMINGS:
+        t[f"{name}_ratio"] = t[f"{name}_tps"] / t[f"{name}_tps_base"]
+    return t
+
+
+def trace_label(family: str, max_active: int) -> str:
+    return f"{family.capitalize()} B{max_active}"
+
+
+def trace_order(frame: pd.DataFrame) -> list[tuple[str, int]]:
+    pairs = frame[["family", "max_active"]].drop_duplicates().itertuples(index=False)
+    return sorted(((f, int(b)) for f, b in pairs),
+                  key=lambda p: (p[1] != 1, FAMILY_ORDER.index(p[0]) if p[0] in FAMILY_ORDER else 99, p[1]))
+
+
+# ---------------------------------------------------------------- cell formatting
+
+
+def num(x: float, spec: str = ".3f") -> str:
+    return "–" if x is None or not np.isfinite(x) else format(x, spec)
+
+
+def mean_sd(values: pd.Series, spec: str = ".3f") -> str:
+    v = values.dropna()
+    if v.empty:
+        return "–"
+    if len(v) == 1:
+        return format(v.iloc[0], spec)
+    return f"{format(v.mean(), spec)}±{format(v.std(ddof=1), spec)}"
+
+
+def modal_route(routes: pd.Series) -> str:
+    """The route most steps took (and its share when not all did)."""
+    counts = routes.value_counts()
+    top = counts[counts == counts.max()].index.min()
+    share = counts.max() / counts.sum()
+    return top if share == 1 else f"{top} ({share:.0%} of steps)"

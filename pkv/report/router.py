@@ -1,0 +1,256 @@
+"""`pkv report-router RESULTS_DIR`: is the router right, and does it pay for itself?
+
+Two outputs, from the Parquet under RESULTS_DIR/raw and the frozen constants:
+
+- tables/router_regret.md — per serving trace (one Parquet file = one trace, one seed):
+  the adaptive engine's wall and device throughput against the best fixed route in
+  hindsight (the route among the router's candidates with the highest throughput on that
+  trace, chosen separately for wall and for device time), the routes it took, and its
+  decision time per step (`route_s`, where recorded). Issue 13's bar: wall >= 0.97 x the
+  best fixed route; device time within 5 % of the best candidate's.
+- figures/router_accuracy.png — the cost model's estimate T_r against the measured wall
+  time of the step, one panel per route: every fixed-route row of the calibration sweep
+  and the held-out serving traces (estimate recomputed from the row's counters and the
+  constants), plus the router's own recorded estimate of the route it took.
+
+Estimating a FlashInfer row needs the shape's KV heads and bytes per token, which the
+Parquet does not carry: they come from RESULTS_DIR/config.json (the frozen config).
+"""
+
+from __future__ import annotations
+
+import io as _io
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+from pkv.plan.costmodel import Constants, RouteCost, estimate  # noqa: E402
+from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
+from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
+from pkv.report.ratios import modal_route, num, trace_label, trace_order  # noqa: E402
+from pkv.report.tables import load  # noqa: E402
+
+PKV_ROUTES = {"pkv-bucket": "bucket", "pkv-workqueue": "workqueue"}
+WALL_BAR, DEVICE_BAR = 0.97, 0.95
+
+
+def candidates(frame: pd.DataFrame, k: Constants) -> list[str]:
+    """The fixed engines of the router's candidate routes that this frame measured."""
+    present = set(frame["engine"])
+    return [e for e in (*k.baseline_ctas_per_head, *PKV_ROUTES) if e in present]
+
+
+def _device(rows: pd.DataFrame) -> pd.Series:
+    return rows["graph_s"].where(rows["graph_s"].notna(), rows["cuda_s"])
+
+
+def regret(frame: pd.DataFrame, k: Constants) -> pd.DataFrame:
+    """One row per (family, max_active, seed): adaptive vs the best fixed route in hindsight."""
+    out = []
+    for (family, batch, seed), g in frame.groupby(["family", "max_active", "seed"], sort=True):
+        ad = g[g["engine"] == "adaptive"]
+        fixed = {e: g[g["engine"] == e] for e in candidates(g, k)}
+        if ad.empty or not fixed:
+            continue
+        tokens = ad["active"].sum()
+        wall = {e: r["active"].sum() / r["wall_s"].sum() for e, r in fixed.items()}
+        dev = {e: r["active"].sum() / _device(r).sum(min_count=1) for e, r in fixed.items()}   # NaN: no device time
+        best_wall = max(wall, key=wall.get)
+        best_dev = max(dev, key=lambda e: (np.isfinite(dev[e]), dev[e] if np.isfinite(dev[e]) else 0.0))
+        ad_wall = tokens / ad["wall_s"].sum()
+        ad_dev = tokens / _device(ad).sum(min_count=1)
+        route_us = ad["route_s"] * 1e6 if "route_s" in ad else pd.Series(dtype=float)
+        out.append({
+            "family": family, "max_active": int(batch), "seed": int(seed), "steps": len(ad),
+            "routes": modal_route(ad["route"]),
+            "adaptive_wall_tok_s": ad_wall, "best_wall_route": best_wall, "best_wall_tok_s": wall[best_wall],
+            "wall_regret": ad_wall / wall[best_wall],
+            "adaptive_device_tok_s": ad_dev, "best_device_route": best_dev, "best_device_tok_s": dev[best_dev],
+            "device_regret": ad_dev / dev[best_dev],
+            "route_us_median": float(route_us.median()) if route_us.notna().any() else math.nan,
+            "route_us_max": float(route_us.max()) if route_us.notna().any() else math.nan,
+        })
+    return pd.DataFrame(out)
+
+
+def _miss(x: float, bar: float) -> str:
+    return " ✗" if np.isfinite(x) and x < bar else ""
+
+
+def regret_markdown(table: pd.DataFrame, smoke: bool) -> str:
+    lines = ["# Router regret: adaptive vs the best fixed route in hindsight", ""]
+    if smoke:
+        lines += [f"**{SMOKE_BANNER}**", ""]
+    lines += [
+        "Per serving trace and seed: decode-token throughput (Σ active / Σ time) of `adaptive` over that of the "
+        "best fixed candidate route on the same trace, chosen in hindsight separately for wall time and for device "
+        "time (CUDA-graph replay; CUDA events where no replay). Candidates: the router's FlashInfer baselines and "
+        f"the pkv bucket and workqueue routes. Bar (issue 13): wall ratio ≥ {WALL_BAR}, device ratio ≥ "
+        f"{DEVICE_BAR}. Router µs: host time of the per-step decision (`route_s`; – where not recorded).",
+        "",
+    ]
+    if table.empty:
+        return "\n".join(lines + ["No serving trace with an adaptive engine.", ""])
+    rows = []
+    order = {fb: i for i, fb in enumerate(trace_order(table))}
+    table = table.assign(_o=[order[(f, b)] for f, b in zip(table["family"], table["max_active"])])
+    for r in table.sort_values(["_o", "seed"]).itertuples():
+        rows.append([trace_label(r.family, r.max_active), r.seed, r.routes,
+                     f"{r.best_wall_route}", num(r.wall_regret, ".3f") + _miss(r.wall_regret, WALL_BAR),
+                     f"{r.best_device_route}" if np.isfinite(r.device_regret) else "–",
+                     num(r.device_regret, ".3f") + _miss(r.device_regret, DEVICE_BAR),
+                     num(r.route_us_median, ".1f"), num(r.route_us_max, ".1f")])
+    lines.append(tabulate(rows, headers=["trace", "seed", "routes taken", "best fixed (wall)", "wall ratio",
+                                         "best fixed (device)", "device ratio", "router µs median", "router µs max"],
+                          tablefmt="github"))
+    ok_w = int((table["wall_regret"] >= WALL_BAR).sum())
+    dev = table["device_regret"].dropna()
+    line = f"Wall bar met on {ok_w} of {len(table)} traces (min {table['wall_regret'].min():.3f})"
+    if not dev.empty:
+        line += f"; device bar on {int((dev >= DEVICE_BAR).sum())} of {len(dev)} (min {dev.min():.3f})"
+    lines += ["", line + ".", ""]
+    return "\n".join(lines)
+
+
+def estimates(frame: pd.DataFrame, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> pd.DataFrame:
+    """Fixed-route rows with the model's T_r recomputed from their counters (the router's
+    closed-form counts equal the schedule's counters) and the constants at their point."""
+    rows = frame[frame["engine"].isin([*k.baseline_ctas_per_head, *PKV_ROUTES])]
+    est = []
+    for r in rows.itertuples():
+        point = point_key(r.family, int(r.max_active))
+        kp = k.at(point) if point in k.operating_points else k
+        if r.engine in PKV_ROUTES:
+            cost = RouteCost(PKV_ROUTES[r.engine], float(r.useful_kv_bytes), float(r.decode_ctas), int(r.launches),
+                             float(r.merge_bytes))
+        else:
+            cost = RouteCost(r.engine, float(r.total_tokens * kv_bytes_per_token),
+                             r.active * num_kv_heads * k.baseline_ctas_per_head[r.engine], 1, 0.0)
+        est.append(estimate(cost, kp))
+    out = rows[["stage", "engine", "family", "max_active", "seed", "step", "wall_s", "cuda_s"]].copy()
+    out["estimate_s"] = est
+    out["route"] = out["engine"]
+    out["source"] = np.where(out["stage"] == "calibrate", "calibration seed (fixed route)", "held-out (fixed route)")
+    return out
+
+
+def chosen(frame: pd.DataFrame) -> pd.DataFrame:
+    """The router's own estimate of the route it took, per held-out step."""
+    ad = frame[(frame["engine"] == "adaptive") & frame["estimate_s"].notna()].copy()
+    ad["route"] = ad["route"].str.split("/").str[0]
+    ad["source"] = "held-out (router's estimate, route taken)"
+    return ad[["stage", "route", "family", "max_active", "seed", "step", "wall_s", "cuda_s", "estimate_s", "source"]]
+
+
+COLORS = {"calibration seed (fixed route)": "tab:gray", "held-out (fixed route)": "tab:blue",
+          "held-out (router's estimate, route taken)": "tab:red"}
+
+
+def accuracy_figure(points: pd.DataFrame, smoke: bool, path: Path) -> None:
+    routes = [r for r in ("flashinfer", "flashinfer-tc", "pkv-bucket", "pkv-workqueue") if r in set(points["route"])]
+    routes += sorted(set(points["route"]) - set(routes))
+    ncols = min(2, max(1, len(routes)))
+    nrows = max(1, -(-len(routes) // ncols))
+    fig, axes = plt.subplots(nrows, ncols, figsize=(4.6 * ncols, 4.0 * nrows + 0.6), squeeze=False)
+    flat = list(axes.ravel())
+    for ax in flat[len(routes):]:
+        ax.set_visible(False)
+    for ax, route in zip(flat, routes):
+        g = points[points["route"] == route]
+        for source, color in COLORS.items():
+            s = g[g["source"] == source]
+            if not s.empty:
+                ax.scatter(s["estimate_s"] * 1e3, s["wall_s"] * 1e3, s=6, alpha=0.5, color=color, label=source)
+        lo = min(g["estimate_s"].min(), g["wall_s"].min()) * 1e3 * 0.8
+        hi = max(g["estimate_s"].max(), g["wall_s"].max()) * 1e3 * 1.25
+        ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, linestyle="--")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_ylim(lo, hi)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+            axis.set_major_formatter(FormatStrFormatter("%g"))
+            axis.set_minor_formatter(NullFormatter())
+        err = np.log(g["estimate_s"] / g["wall_s"])
+        ax.set_title(f"{route}\nmedian est/meas {np.exp(err.median()):.2f}, rms log err {np.sqrt((err ** 2).mean()):.2f}",
+                     fontsize=9)
+        ax.set_xlabel("estimate T_r (ms)")
+        ax.set_ylabel("measured wall (ms)")
+    handles, labels = flat[0].get_legend_handles_labels()
+    for ax in flat[1:len(routes)]:
+        h, lab = ax.get_legend_handles_labels()
+        for hh, ll in zip(h, lab):
+            if ll not in labels:
+                handles.append(hh)
+                labels.append(ll)
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, markerscale=3)
+    fig.suptitle("Cost model: estimate vs measured step time per route" + (f"\n{SMOKE_BANNER}" if smoke else ""),
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    buf = _io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def build(root: Path, out: Path | None = None, constants: Path | None = None,
+          only: tuple[str, ...] = ("table", "figure")) -> list[Path]:
+    """Write router_regret.md and/or router_accuracy.png under `out` (default: `root`)."""
+    root = Path(root)
+    out = Path(out) if out else root
+    k = Constants.load(constants or root / "calibration" / "constants.json")
+    serve = load(root, ("serve",))
+    written = []
+    if "table" in only:
+        md = out / "tables" / "router_regret.md"
+        atomic_write_text(md, regret_markdown(regret(serve.frame, k), serve.smoke))
+        written.append(md)
+    if "figure" not in only:
+        return written
+    shape = shape_of(load_config(root / "config.json"))
+    calib = load(root, ("calibrate",), required=False)
+    frames = [f for f in (calib.frame, serve.frame) if not f.empty]
+    points = pd.concat([estimates(pd.concat(frames, ignore_index=True), k, shape.kv_bytes_per_token,
+                                  shape.num_kv_heads), chosen(serve.frame)], ignore_index=True)
+    png = out / "figures" / "router_accuracy.png"
+    accuracy_figure(points, serve.smoke, png)
+    return [*written, png]
+
+
+def run(args) -> int:
+    """`pkv report-router RESULTS_DIR` writes both outputs; `--target FILE` (as the rules
+    call it) writes that one, RESULTS_DIR being the folder two levels above FILE."""
+    if args.target:
+        target = Path(args.target)
+        if target.name not in ("router_regret.md", "router_accuracy.png"):
+            raise ValueError(f"--target must be tables/router_regret.md or figures/router_accuracy.png, got {target}")
+        root = Path(args.results_dir) if args.results_dir else target.parents[1]
+        only = ("table",) if target.suffix == ".md" else ("figure",)
+        out = target.parents[1]
+    elif args.results_dir:
+        root, only, out = Path(args.results_dir), ("table", "figure"), Path(args.out) if args.out else None
+    else:
+        raise ValueError("pkv report-router needs RESULTS_DIR or --target")
+    for path in build(root, out, Path(args.constants) if args.constants else None, only):
+        print(f"wrote {path}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("report-router", help="router regret table and estimate-vs-measurement figure from Parquet")
+    p.add_argument("results_dir", nargs="?", default="",
+                   help="a results folder (raw/serve, raw/calibrate, calibration/, config.json)")
+    p.add_argument("--target", default="", help="write only this file: RESULTS/tables/router_regret.md or "
+                                                "RESULTS/figures/router_accuracy.png")
+    p.add_argument("--out", default="", help="with RESULTS_DIR: write tables/ and figures/ here (default: RESULTS_DIR)")
+    p.add_argument("--constants", default="", help="constants.json to estimate with (default: the folder's own)")
+    p.set_defaults(func=run)

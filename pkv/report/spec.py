@@ -1,0 +1,85 @@
+"""What the report makes: every table and figure, the stages each reads, its caption.
+
+Pure data, no pandas: the Snakefile reads it at parse time to make one rule per table and
+figure (with `report()` captions), and pkv.report.tables / pkv.report.figures attach the
+functions that build them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    title: str
+    caption: str
+    stages: tuple[str, ...]
+    keys: tuple[str, ...]          # the columns that name a row (the comparison joins on them)
+    latex: bool = False
+    required: bool = True          # False: written (saying so) when the stage has no Parquet
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    caption: str
+    stages: tuple[str, ...]
+    required: bool = True
+
+
+TABLE_SPECS = {
+    "isolated": TableSpec("Table 1: isolated native-paged decode attention, B=1, 50% holes",
+                          "Median device time per call (CUDA-graph replay; CUDA events, else wall time where not measured). "
+                          "PersistentKV rows take the best split of the calibration grid (split in parentheses).",
+                          ("isolated",), ("Method",), latex=True),
+    "serving": TableSpec("Table 2: calibrated cost-model serving results (held-out seeds)",
+                         "Adaptive route over the faster FlashInfer variant per seed and timing; mean±std over seeds. "
+                         "Errors are against the correctness baseline after FP32 conversion.",
+                         ("serve",), ("Trace / mode",), latex=True),
+    "mlp_proxy": TableSpec("Table 3: model-level proxy, attention + gated MLP tail",
+                           "Layers > 1 share one plan per step. Mean±std over seeds.", ("mlp_proxy",), ("Layers", "Engine"),
+                           latex=True),
+    "counters": TableSpec("Table 4: scheduler-derived structural counters",
+                          "Means per decode step over every held-out seed; baselines report no schedule counters (–).",
+                          ("serve",), ("Trace", "Engine"), latex=True),
+    "nsight": TableSpec("Table 5: Nsight Compute hardware counters",
+                        "Per kernel, means over captured invocations; DRAM / roofline is read bandwidth over the calibrated beta.",
+                        ("nsight_kernels",), ("Kernel",), latex=True, required=False),
+    "coverage": TableSpec("Table 6: evidence and coverage map",
+                          "Status: Positive when every seed's wall ratio > 1; baseline routes are no-regression cases.",
+                          ("serve", "gqa_sweep", "mlp_proxy", "external"), ("Regime",), latex=True),
+    "split_sensitivity": TableSpec("Table 7: split-count sensitivity",
+                                   "Cost-model policy at the frozen split and its neighbours over the faster FlashInfer variant.",
+                                   ("split_sensitivity",), ("Trace",), latex=True),
+    "gqa_sweep": TableSpec("Table 8: serving GQA/MQA sweep",
+                           "Adaptive route and ungated PersistentKV workqueue over FlashInfer.",
+                           ("gqa_sweep",), ("G",), latex=True),
+    "b4_sweep": TableSpec("B4 split sweep: PersistentKV workqueue forced on the B4 boundary",
+                          "Mean±std over held-out seeds.", ("b4_sweep",), ("Split",)),
+    "raggedness": TableSpec("Raggedness ablation: exact buckets vs masked bucket vs workqueue",
+                            "Per decode step means; ratios over the faster FlashInfer variant.", ("raggedness",), ("Engine",)),
+    "ablations": TableSpec("Implementation ablations: fused merge, row-local bounds, early exit, indexed Q/O, CUDA-graph replay",
+                           "Graph ms/step is the CUDA-graph replay of run() (no host overhead).", ("implementation",),
+                           ("Engine",)),
+    "external": TableSpec("External request trace (Azure LLM inference 2023, conversation)",
+                          "Ratios over the faster FlashInfer variant.", ("external",), ("Engine",)),
+}
+
+FIGURE_SPECS = {
+    "serving_ratios": FigureSpec("Adaptive route over the faster FlashInfer variant per serving trace, by timing "
+                                 "(wall, CUDA events, CUDA-graph replay); bars are means over held-out seeds, error "
+                                 "bars their std.", ("serve",)),
+    "latency_vs_context": FigureSpec("Isolated decode attention (B=1, 50% holes): median latency per call against "
+                                     "context length, PersistentKV at its best split.", ("isolated",)),
+    "split_sensitivity": FigureSpec("Wall throughput ratio against the forced split count: the cost-model policy "
+                                    "(ablation seed) and the B4 workqueue sweep (held-out seeds).",
+                                    ("split_sensitivity", "b4_sweep")),
+    "launches_per_step": FigureSpec("Kernel launches per decode step by engine and serving trace.", ("serve",)),
+    "coverage": FigureSpec("Wall throughput ratio over FlashInfer for every engine and regime (serving and GQA sweep).",
+                           ("serve", "gqa_sweep")),
+    "nsight": FigureSpec("Nsight Compute: time and DRAM read bandwidth per kernel against the read roofline.",
+                         ("nsight_kernels",), required=False),
+}
+
+# Stages measured once per held-out seed: a table over them flags any seed that is missing.
+PER_SEED_STAGES = ("serve", "b4_sweep", "mlp_proxy")

@@ -1,0 +1,530 @@
+"""`pkv report RESULTS_DIR`: every table and figure from the Parquet under RESULTS_DIR/raw.
+
+Reads Parquet only (never a GPU; of the folder's config.json only the held-out seeds, to
+flag a missing one). Tables are Markdown, plus LaTeX for the paper's tables, and are
+deterministic: the same Parquet gives the same bytes. Ratios are per job (one Parquet
+file = one trace, one seed), pkv.report.ratios; mean and sample std are over seeds.
+
+A report refuses to mix: the files it reads must name one GPU model, one config hash and
+one constants hash (those of the folder's config.json and calibration/constants.json
+where the folder has them). An unreadable file is named in a one-line error. Every
+requested table and figure is built in memory first and written only when all of them
+built (all or nothing). A seed missing from a per-seed stage is flagged in the table.
+
+`pkv compare RUN_DIR` puts a run's tables beside the committed reference run's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pandas as pd
+from tabulate import tabulate
+
+from pkv.core.io import atomic_write_bytes, dict_hash, file_hash, read_meta
+from pkv.config.resolve import SMOKE_BANNER
+from pkv.measure.nsight import table5
+from pkv.report.ratios import (FAMILY_ORDER, FLASHINFER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
+                        ratios, throughputs, trace_label, trace_order)
+from pkv.report.spec import FIGURE_SPECS, PER_SEED_STAGES, TABLE_SPECS
+
+
+@dataclass
+class Raw:
+    """The rows and per-file metadata of the stages a target reads."""
+
+    frame: pd.DataFrame
+    metas: list[dict]
+    smoke: bool
+    missing_seeds: dict[str, list[int]] = field(default_factory=dict)   # row label -> seeds without a file
+
+
+class MissingStage(ValueError):
+    """A target's stage has not been measured in this results folder."""
+
+
+class ReportError(ValueError):
+    """A results folder that cannot be reported as it is (one line, naming the file)."""
+
+
+def check_folder(root: Path) -> None:
+    if not root.exists():
+        raise ReportError(f"{root}: no such results folder")
+    if not root.is_dir():
+        raise ReportError(f"{root}: not a folder")
+    if not (root / "raw").is_dir():
+        raise ReportError(f"{root}: not a results folder (no raw/ inside; name the folder that holds raw/)")
+
+
+def _frozen_hashes(root: Path) -> tuple[str | None, str | None]:
+    """(config hash, constants hash) of the folder's frozen files, where it has them."""
+    cfg, const = root / "config.json", root / "calibration" / "constants.json"
+    config = None
+    if cfg.is_file():
+        try:
+            config = dict_hash(json.loads(cfg.read_text()))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ReportError(f"{cfg}: not valid JSON ({e})") from None
+    return config, file_hash(const) if const.is_file() else None
+
+
+def _expected_seeds(root: Path) -> set[int]:
+    try:
+        return {int(s) for s in json.loads((root / "config.json").read_text())["seeds"]["heldout"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def _one(values: dict[str, list[Path]], what: str, root: Path, frozen: str | None, frozen_file: str) -> None:
+    values = {k: v for k, v in values.items() if k != "none"}
+    if frozen is not None:
+        wrong = {k: v for k, v in values.items() if k != frozen}
+        if wrong:
+            k, files = sorted(wrong.items())[0]
+            raise ReportError(f"{files[0]}: {what} {k} is not this folder's ({frozen}, {root / frozen_file}); "
+                              f"{sum(len(v) for v in wrong.values())} file(s) come from another run: rerun them or "
+                              "report them separately")
+    if len(values) > 1:
+        listing = "; ".join(f"{k}: {v[0].name}{' and others' if len(v) > 1 else ''}" for k, v in sorted(values.items()))
+        raise ReportError(f"{root} mixes results of several {what}es ({listing}); report each run's folder separately")
+
+
+def load(root: Path, stages: tuple[str, ...], required: bool = True) -> Raw:
+    import pyarrow.parquet as pq
+
+    files = sorted(f for s in stages for f in (root / "raw" / s).glob("*.parquet"))
+    if not files and required:
+        raise MissingStage(f"no Parquet under {', '.join(str(root / 'raw' / s) for s in stages)}; run the stage first")
+    metas, frames = [], []
+    for f in files:
+        try:
+            metas.append(read_meta(f))
+            frames.append(pq.read_table(f).to_pandas())
+        except Exception as e:  # noqa: BLE001 - any reader failure is this file's fault
+            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ReportError(f"{f}: unreadable Parquet ({why})") from None
+    gpus = sorted({m.get("gpu", "unknown") for m in metas})
+    if len(gpus) > 1:
+        raise ReportError(f"{root} mixes results from several GPU models ({', '.join(gpus)}); "
+                          "report each GPU's results folder separately")
+    frozen_config, frozen_constants = _frozen_hashes(root)
+    by_config: dict[str, list[Path]] = {}
+    by_constants: dict[str, list[Path]] = {}
+    for f, m in zip(files, metas):
+        by_config.setdefault(m.get("config_hash", "none"), []).append(f)
+        if m.get("stage") != "calibrate":
+            by_constants.setdefault(m.get("constants_hash", "none"), []).append(f)
+    _one(by_config, "config hash", root, frozen_config, "config.json")
+    _one(by_constants, "constants hash", root, frozen_constants, "calibration/constants.json")
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    # A stage without files (Nsight off) takes the profile from the folder's other files.
+    profiles = metas or [read_meta(f) for f in sorted(root.glob("raw/*/*.parquet"))[:1]]
+    raw = Raw(frame, metas, any(m.get("profile") == "smoke" for m in profiles))
+    raw.missing_seeds = missing_seeds(frame, _expected_seeds(root)) if set(stages) & set(PER_SEED_STAGES) else {}
+    return raw
+
+
+def missing_seeds(frame: pd.DataFrame, expected: set[int]) -> dict[str, list[int]]:
+    """Row label -> held-out seeds it lacks, over the per-seed stages in `frame`: each
+    (stage, family, batch) should have every seed of the config (or, without a config,
+    every seed any of them has)."""
+    if frame.empty:
+        return {}
+    rows = frame[frame["stage"].isin(PER_SEED_STAGES)]
+    expected = expected or {int(s) for s in rows["seed"].unique()}
+    out = {}
+    for (stage, family, batch), g in rows.groupby(["stage", "family", "max_active"], sort=True, observed=True):
+        lack = sorted(expected - {int(s) for s in g["seed"].unique()})
+        if lack:
+            out[f"{stage}: {trace_label(family, int(batch))}"] = lack
+    return out
+
+
+def seeds_cell(raw: Raw, stage: str, family: str, batch: int, have: int) -> str:
+    """The Seeds column: the count, and which are missing when any is."""
+    lack = raw.missing_seeds.get(f"{stage}: {trace_label(family, batch)}")
+    return f"{have} of {have + len(lack)} (missing {', '.join(map(str, lack))})" if lack else str(have)
+
+
+# ---------------------------------------------------------------- formatting
+
+
+# ---------------------------------------------------------------- tables
+
+
+@dataclass(frozen=True)
+class Table:
+    """A TableSpec (pkv.report.spec) with the function that builds it."""
+
+    title: str
+    caption: str
+    stages: tuple[str, ...]
+    keys: tuple[str, ...]
+    build: Callable[[Raw], pd.DataFrame]
+    latex: bool = False
+    required: bool = True
+
+
+def t_serving(raw: Raw) -> pd.DataFrame:
+    f = raw.frame
+    r = ratios(f, ["family", "max_active", "seed"])
+    rows = []
+    for family, batch in trace_order(f):
+        sel = (r["family"] == family) & (r["max_active"] == batch) & (r["engine"] == "adaptive")
+        steps = f[(f["family"] == family) & (f["max_active"] == batch) & (f["engine"] == "adaptive")]
+        rows.append({
+            "Trace / mode": trace_label(family, batch), "Selected route": modal_route(steps["route"]),
+            "CUDA tok/s ratio": mean_sd(r.loc[sel, "cuda_ratio"]), "Graph ratio": mean_sd(r.loc[sel, "graph_ratio"]),
+            "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
+            "Wall ratio min": num(r.loc[sel, "wall_ratio"].min()),
+            "Max |e|": num(steps["max_abs_err"].max(), ".3e"), "Mean |e|": num(steps["mean_abs_err"].mean(), ".3e"),
+            "Seeds": seeds_cell(raw, "serve", family, batch, r.loc[sel, "seed"].nunique()),
+        })
+    return pd.DataFrame(rows)
+
+
+def t_counters(raw: Raw) -> pd.DataFrame:
+    f = raw.frame
+    rows = []
+    for family, batch in trace_order(f):
+        sub = f[(f["family"] == family) & (f["max_active"] == batch)]
+        for engine, g in sub.groupby("engine", sort=True, observed=True):
+            rows.append({
+                "Trace": trace_label(family, batch), "Engine": engine, "Launches/step": num(g["launches"].mean(), ".2f"),
+                "Decode CTA work/SM": num(g["cta_work_per_sm"].mean(), ".1f"),
+                "Useful KV MB": num(g["total_tokens"].mean() * _kv_bytes_per_token(g) / 1e6, ".1f"),
+                "Merge MB": num(g["merge_bytes"].mean() / 1e6, ".2f"),
+                "Merge launches": num(g["merge_launches"].mean(), ".2f"),
+            })
+    return pd.DataFrame(rows)
+
+
+def _kv_bytes_per_token(g: pd.DataFrame) -> float:
+    """Useful KV bytes per token, from rows whose engine reports counters (else NaN)."""
+    known = g.dropna(subset=["useful_kv_bytes"])
+    return float((known["useful_kv_bytes"] / known["total_tokens"]).median()) if len(known) else np.nan
+
+
+def t_isolated(raw: Raw) -> pd.DataFrame:
+    f = raw.frame.copy()
+    f["context"] = f["max_len"]
+    f["device_s"] = f["graph_s"].fillna(f["cuda_s"]).fillna(f["wall_s"])
+    med = f.groupby(["engine", "split", "context"], sort=True, observed=True)["device_s"].median().reset_index()
+    rows = []
+    contexts = sorted(med["context"].unique())
+    for engine, g in med.groupby("engine", sort=True, observed=True):
+        if engine.startswith("pkv-"):
+            # Auto split: the best split of the grid per context (the paper's autotuned row).
+            best = g.loc[g.groupby("context")["device_s"].idxmin()].set_index("context")
+            row = {"Method": f"{engine}, auto split"}
+            row.update({f"{c // 1024}K ms" if c >= 1024 else f"{c} ms": f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} (s{int(best.loc[c, 'split'])})" for c in contexts})
+        else:
+            g = g.set_index("context")
+            row = {"Method": engine}
+            row.update({f"{c // 1024}K ms" if c >= 1024 else f"{c} ms": num(g.loc[c, "device_s"] * 1e3, ".4f") for c in contexts})
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
+def t_mlp_proxy(raw: Raw) -> pd.DataFrame:
+    f = raw.frame
+    t = ratios(f, ["seed", "layers"])
+    base = baselines(f)
+    rows = []
+    for layers, g in t.groupby("layers", sort=True):
+        # The faster baseline by mean wall throughput over seeds represents FlashInfer.
+        b = g[g["engine"].isin(base)].groupby("engine")["wall_tps"].mean().idxmax()
+        for engine, label in ((b, f"{b} + MLP tail"), ("adaptive", "Adaptive route + MLP tail")):
+            e = g[g["engine"] == engine]
+            rows.append({"Layers": str(layers), "Engine": label, "CUDA tok/s": mean_sd(e["cuda_tps"], ".1f"),
+                         "CUDA ms/step": mean_sd(e["cuda_ms"]), "Wall tok/s": mean_sd(e["wall_tps"], ".1f"),
+                         "Wall ms/step": mean_sd(e["wall_ms"])})
+        a = g[g["engine"] == "adaptive"]
+        rows.append({"Layers": str(layers), "Engine": "Ratio", "CUDA tok/s": mean_sd(a["cuda_ratio"]) + "×",
+                     "CUDA ms/step": "–", "Wall tok/s": mean_sd(a["wall_ratio"]) + "×", "Wall ms/step": "–"})
+    return pd.DataFrame(rows)
+
+
+def t_split_sensitivity(raw: Raw) -> pd.DataFrame:
+    f = raw.frame
+    r = ratios(f, ["family", "max_active", "seed", "split"])
+    rows = []
+    for family, batch in trace_order(f):
+        a = r[(r["family"] == family) & (r["max_active"] == batch) & (r["engine"] == "adaptive")].sort_values("split")
+        rows.append({"Trace": trace_label(family, batch), "Split counts": " / ".join(str(int(s)) for s in a["split"]),
+                     "CUDA tok/s ratio": " / ".join(num(x) for x in a["cuda_ratio"]),
+                     "Wall tok/s ratio": " / ".join(num(x) for x in a["wall_ratio"]),
+                     "Seed": str(int(a["seed"].iloc[0]))})
+    return pd.DataFrame(rows)
+
+
+def t_b4_sweep(raw: Raw) -> pd.DataFrame:
+    r = ratios(raw.frame, ["family", "max_active", "seed", "split"])
+    r = r[r["engine"] == "pkv-workqueue"]
+    rows = []
+    for split, g in r.groupby("split", sort=True):
+        family, batch = g["family"].iloc[0], int(g["max_active"].iloc[0])
+        rows.append({"Split": str(int(split)), "Wall ratio": mean_sd(g["wall_ratio"]), "Wall min": num(g["wall_ratio"].min()),
+                     "Wall max": num(g["wall_ratio"].max()), "CUDA ratio": mean_sd(g["cuda_ratio"]),
+                     "Graph ratio": mean_sd(g["graph_ratio"]),
+                     "Seeds": seeds_cell(raw, "b4_sweep", family, batch, g["seed"].nunique())})
+    return pd.DataFrame(rows)
+
+
+def t_gqa_sweep(raw: Raw) -> pd.DataFrame:
+    f = raw.frame
+    r = ratios(f, ["group", "seed"])
+    kv_heads = {int(m["group"]): m["num_kv_heads"] for m in raw.metas}
+    rows = []
+    for group, g in r.groupby("group", sort=True):
+        steps = f[(f["group"] == group) & (f["engine"] == "adaptive")]
+        a = g[g["engine"] == "adaptive"]
+        ungated = g[g["engine"] == "pkv-workqueue"]
+        rows.append({"G": str(int(group)), "H_kv": kv_heads[int(group)], "Selected route": modal_route(steps["route"]),
+                     "CUDA tok/s ratio": num(a["cuda_ratio"].mean()), "Wall tok/s ratio": num(a["wall_ratio"].mean()),
+                     "Ungated workqueue wall ratio": num(ungated["wall_ratio"].mean())})
+    return pd.DataFrame(rows)
+
+
+def _per_engine_ablation(raw: Raw, reference: str) -> pd.DataFrame:
+    f = raw.frame
+    r = ratios(f, ["seed"])
+    ref = r[r["engine"] == reference].set_index("seed")
+    rows = []
+    for engine, g in r.groupby("engine", sort=True):
+        steps = f[f["engine"] == engine]
+        rows.append({"Engine": engine, "Launches/step": num(steps["launches"].mean(), ".2f"),
+                     "Empty CTAs/step": num(steps["empty_ctas"].mean(), ".1f"),
+                     "Read KV MB/step": num(steps["read_kv_bytes"].mean() / 1e6, ".2f"),
+                     "Wall ms/step": num(g["wall_ms"].mean(), ".4f"), "CUDA ms/step": num(g["cuda_ms"].mean(), ".4f"),
+                     "Graph ms/step": num(g["graph_ms"].mean(), ".4f"),
+                     "Wall ratio vs FlashInfer": num(g["wall_ratio"].mean()),
+                     "CUDA ratio vs FlashInfer": num(g["cuda_ratio"].mean()),
+                     f"Wall vs {reference}": num((g.set_index("seed")["wall_tps"] / ref["wall_tps"]).mean())})
+    return pd.DataFrame(rows)
+
+
+def t_raggedness(raw: Raw) -> pd.DataFrame:
+    return _per_engine_ablation(raw, "pkv-workqueue")
+
+
+def t_ablations(raw: Raw) -> pd.DataFrame:
+    return _per_engine_ablation(raw, "pkv-workqueue")
+
+
+def t_external(raw: Raw) -> pd.DataFrame:
+    f = raw.frame
+    r = ratios(f, ["seed"])
+    rows = []
+    for engine, g in r.groupby("engine", sort=True):
+        steps = f[f["engine"] == engine]
+        rows.append({"Engine": engine, "Route": modal_route(steps["route"]), "CUDA tok/s ratio": num(g["cuda_ratio"].mean()),
+                     "Wall tok/s ratio": num(g["wall_ratio"].mean()), "Max |e|": num(steps["max_abs_err"].max(), ".3e"),
+                     "Steps": str(int(g["steps"].sum()))})
+    return pd.DataFrame(rows)
+
+
+def t_nsight(raw: Raw) -> pd.DataFrame:
+    if raw.frame.empty:
+        return pd.DataFrame({"Kernel": ["(no parsed Nsight Compute capture in this results folder)"]})
+    t = table5(raw.frame, float(raw.frame["roofline_gbps"].iloc[0]))
+    for col, fmt in (("Time ms", ".4f"), ("SM thr. %", ".2f"), ("Mem. thr. %", ".2f"), ("DRAM GB/s", ".1f"),
+                     ("DRAM / roofline", ".3f"), ("L2 hit %", ".2f")):
+        t[col] = t[col].map(lambda v: num(v, fmt))
+    return t.astype(str)
+
+
+def t_coverage(raw: Raw) -> pd.DataFrame:
+    f = raw.frame
+    rows = []
+    for stage, keys in (("serve", ["family", "max_active", "seed"]), ("gqa_sweep", ["family", "max_active", "group", "seed"]),
+                        ("mlp_proxy", ["family", "max_active", "layers", "seed"]), ("external", ["family", "max_active", "seed"])):
+        s = f[f["stage"] == stage]
+        if s.empty:
+            continue
+        r = ratios(s, keys)
+        a = r[r["engine"] == "adaptive"]
+        for key, g in a.groupby(keys[:-1], sort=True):
+            key = dict(zip(keys[:-1], key if isinstance(key, tuple) else (key,)))
+            steps = s[(s["engine"] == "adaptive")
+                      & np.logical_and.reduce([s[k] == v for k, v in key.items()])]
+            regime = trace_label(key["family"], key["max_active"])
+            if stage == "gqa_sweep":
+                regime += f", G={key['group']}"
+            elif stage == "mlp_proxy":
+                regime += f", attention + MLP, {key['layers']} layer(s)"
+            elif stage == "external":
+                regime = f"External trace, B{key['max_active']}"
+            rows.append({"Regime": regime, "Route": modal_route(steps["route"]),
+                         "Evidence": f"{stage}: {g['seed'].nunique()} seed(s)",
+                         "Wall ratio": mean_sd(g["wall_ratio"]), "Status": status(g["wall_ratio"], steps["route"])})
+    return pd.DataFrame(rows)
+
+
+def status(wall_ratio: pd.Series, routes: pd.Series) -> str:
+    lo = wall_ratio.min()
+    if not np.isfinite(lo):
+        return "Not measured"
+    if lo > 1.0:
+        return "Positive"
+    if routes.isin(["reference", *FLASHINFER]).all():
+        return "Baseline route (no regression)" if lo >= 0.97 else "Baseline route, slower than baseline"
+    return "Mixed" if wall_ratio.mean() >= 1.0 else "Regression"
+
+
+BUILDERS = {
+    "isolated": t_isolated, "serving": t_serving, "mlp_proxy": t_mlp_proxy, "counters": t_counters,
+    "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity, "gqa_sweep": t_gqa_sweep,
+    "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations, "external": t_external,
+}
+TABLES = {name: Table(**asdict(spec), build=BUILDERS[name]) for name, spec in TABLE_SPECS.items()}
+
+
+def provenance_line(raw: Raw) -> str:
+    keys = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
+    parts = [f"{len(raw.metas)} Parquet file(s)"]
+    for k in keys:
+        parts.append(f"{k}: {', '.join(sorted({m.get(k, 'unknown') for m in raw.metas})) or '–'}")
+    return "; ".join(parts)
+
+
+def missing_note(raw: Raw) -> str:
+    if not raw.missing_seeds:
+        return ""
+    parts = [f"{label} lacks seed(s) {', '.join(map(str, seeds))}" for label, seeds in raw.missing_seeds.items()]
+    return "**Missing seeds** (means are over fewer seeds than the config's held-out seeds): " + "; ".join(parts) + "."
+
+
+def render(name: str, table: Table, raw: Raw, fmt: str) -> str:
+    frame = table.build(raw)
+    note = missing_note(raw)
+    if fmt == "md":
+        banner = f"> **{SMOKE_BANNER}.**\n\n" if raw.smoke else ""
+        body = tabulate(frame, headers="keys", tablefmt="github", showindex=False, disable_numparse=True)
+        note = f"{note}\n\n" if note else ""
+        return f"# {table.title}\n\n{banner}{table.caption}\n\n{body}\n\n{note}Source: {provenance_line(raw)}.\n"
+    body = tabulate(frame, headers="keys", tablefmt="latex_booktabs", showindex=False, disable_numparse=True)
+    caption = (f"{SMOKE_BANNER}. " if raw.smoke else "") + table.caption + (f" {note.replace('**', '')}" if note else "")
+    return (f"% generated by `pkv report` from Parquet; do not edit\n\\begin{{table}}[t]\n\\centering\n"
+            f"\\caption{{{table.title}. {caption}}}\n\\label{{tab:{name}}}\n{body}\n\\end{{table}}\n")
+
+
+def targets(root: Path) -> list[Path]:
+    out = [root / "tables" / f"{n}.md" for n in TABLES]
+    out += [root / "tables" / f"{n}.tex" for n, t in TABLES.items() if t.latex]
+    out += [root / "figures" / f"{n}.png" for n in FIGURE_SPECS]
+    return out
+
+
+def build_report(root: Path, only: list[Path], on_missing: Callable[[Path, str], None] | None = None) -> list[Path]:
+    """Write every target (or only those named) under root; returns what was written.
+
+    All or nothing: every target is built in memory first; if any fails (an unreadable
+    or mixed file), nothing is written. A target whose stage has no Parquet fails too,
+    unless `on_missing` is given: then it is told (target, reason) and the target is
+    skipped, as for a partly measured folder.
+    """
+    check_folder(root)
+    wanted = targets(root)
+    if only:
+        unknown = [p for p in only if p not in wanted]
+        if unknown:
+            raise ValueError(f"unknown report target(s): {', '.join(map(str, unknown))}; "
+                             f"known: {', '.join(str(p) for p in wanted)}")
+        wanted = only
+    built: dict[Path, bytes] = {}
+    cache: dict[tuple, Raw] = {}
+    for path in wanted:
+        try:
+            built[path] = _build_target(root, path, cache)
+        except MissingStage as e:
+            if on_missing is None:
+                raise
+            on_missing(path, str(e))
+    for path, data in built.items():
+        atomic_write_bytes(path, data)
+    return list(built)
+
+
+def _load_cached(root: Path, stages: tuple[str, ...], required: bool, cache: dict) -> Raw:
+    key = (stages, required)
+    if key not in cache:
+        cache[key] = load(root, stages, required)
+    return cache[key]
+
+
+def _build_target(root: Path, path: Path, cache: dict) -> bytes:
+    name = path.stem
+    if path.parent.name == "tables":
+        table = TABLES[name]
+        return render(name, table, _load_cached(root, table.stages, table.required, cache), path.suffix[1:]).encode()
+    from pkv.report import figures as report_figures
+    spec = FIGURE_SPECS[name]
+    raw = _load_cached(root, spec.stages, spec.required, cache)
+    return report_figures.draw(name, raw.frame, raw.smoke)
+
+
+# ---------------------------------------------------------------- a run against the reference
+
+
+def _side_by_side(table: Table, ref: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
+    keys = [k for k in table.keys if k in ref.columns and k in run.columns]
+    values = [c for c in ref.columns if c not in keys and c in run.columns]
+    ratio_cols = [c for c in values if "ratio" in c.lower()]
+    values = ratio_cols or values
+    ref = ref.drop_duplicates(subset=keys).set_index(keys)[values]
+    run = run.drop_duplicates(subset=keys).set_index(keys)[values]
+    order = list(dict.fromkeys([*ref.index, *run.index]))
+    both = pd.DataFrame(index=pd.Index(order) if len(keys) == 1 else pd.MultiIndex.from_tuples(order, names=keys))
+    both.index.names = keys
+    for c in values:
+        both[f"{c} (reference)"] = ref[c].reindex(both.index).fillna("–")
+        both[f"{c} (this run)"] = run[c].reindex(both.index).fillna("–")
+    return both.reset_index()
+
+
+def _run_line(raw: Raw) -> str:
+    keys = ("gpu", "git_commit", "config_hash", "constants_hash", "torch", "flashinfer")
+    return ", ".join(f"{k} {', '.join(sorted({m.get(k, 'unknown') for m in raw.metas})) or '–'}" for k in keys)
+
+
+def compare(run: Path, reference: Path) -> str:
+    """Markdown: every table of `run` beside the same table of `reference`, per table, the
+    ratio columns side by side (every value column where a table has no ratio)."""
+    check_folder(run)
+    check_folder(reference)
+    parts = [f"# {run} against the reference run {reference}\n",
+             "Each table of this run beside the committed reference run's, row by row (ratio columns where the "
+             "table has them, else every value column). A ratio's denominator is FlashInfer measured in the same "
+             "run on the same GPU, so ratios compare across GPUs; absolute times do not.\n"]
+    try:
+        cfg_ref = json.loads((reference / "config.json").read_text())
+        cfg_run = json.loads((run / "config.json").read_text())
+        from pkv.config.resolve import differences
+
+        diff = differences(cfg_ref, cfg_run)
+        parts.append("Configs: identical.\n" if not diff else f"**Configs differ** in: {', '.join(diff)}.\n")
+    except (OSError, ValueError):
+        parts.append("Configs: not compared (a folder has no config.json).\n")
+    for name, table in TABLES.items():
+        parts.append(f"## {table.title}\n")
+        sides = {}
+        for label, root in (("reference", reference), ("this run", run)):
+            try:
+                sides[label] = load(root, table.stages, table.required)
+            except MissingStage:
+                sides[label] = None
+        if sides["reference"] is None or sides["this run"] is None:
+            which = " and ".join(k for k, v in sides.items() if v is None)
+            parts.append(f"Not measured in {which}.\n")
+            continue
+        frame = _side_by_side(table, table.build(sides["reference"]), table.build(sides["this run"]))
+        parts.append(tabulate(frame, headers="keys", tablefmt="github", showindex=False, disable_numparse=True) + "\n")
+        for label, raw in sides.items():
+            note = missing_note(raw)
+            parts.append(f"{label.capitalize()}: {_run_line(raw)}." + (f" {note}" if note else "") + "\n")
+    return "\n".join(parts)
