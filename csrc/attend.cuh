@@ -68,12 +68,13 @@ template <int D, bool kFp8 = false> struct AttendCfg {
 
 // One token range of one (row, KV head).
 struct Range {
-  const void* kv;          // [pages, 2, Hkv, P, D]
+  const void* kv;          // K of page 0 (our layout: [pages, 2, Hkv, P, D]); strides below in elements
   const int* bt;           // the row's block-table row
   const void* q;           // the G query heads of this KV head: [G, D]
-  int64_t head_off;        // kv_head * P * D
-  int64_t page_elems;      // 2 * Hkv * P * D
-  int64_t v_off;           // Hkv * P * D
+  int64_t head_off;        // kv_head * head stride (P * D in our layout)
+  int64_t page_elems;      // page stride (2 * Hkv * P * D in our layout)
+  int64_t v_off;           // V's offset from K (Hkv * P * D in our layout)
+  int64_t tok_stride;      // token stride (D in our layout); the last dim is contiguous
   int page_shift;
   int t_begin, t_end;      // tokens read; zero-filled past t_end
   int valid_end;           // tokens at or past it are read and masked
@@ -84,7 +85,11 @@ struct Range {
   const float* page_scales;
   int scale_head, num_kv_heads;
   float out_scale;         // FP8: the V tensor scale, applied to the CTA's output state
+  float cap_log2 = 0.f;    // logits soft cap times log2(e); 0 = off
 };
+
+// Logits soft cap on a log2-domain logit x: c tanh(x / c) is cap tanh(s / cap) scaled by log2(e).
+__device__ __forceinline__ float soft_cap(float x, float c) { return c > 0.f ? c * tanhf(x / c) : x; }
 
 // The warp's cp.async pipeline over its steps of a range: step j (the warp's j-th, i.e. the
 // range's step warp + j * kWarps) lands in stage j % kStages, K then V, in the cache's own
@@ -137,7 +142,7 @@ template <int D, bool kFp8> struct KvPipe {
         const bool ok = t < a.t_end;
         const int page = P >= kChunk ? pg.id[it * 32 / (kChunk * C::kPieces)]
                                      : (ok ? __ldg(a.bt + (t >> a.page_shift)) : 0);
-        const KvT* src = kv + page * a.page_elems + a.head_off + (t & (P - 1)) * D + piece * (16 / sizeof(KvT));
+        const KvT* src = kv + page * a.page_elems + a.head_off + (t & (P - 1)) * a.tok_stride + piece * (16 / sizeof(KvT));
         const uint32_t dst = stage + C::offset(tok, piece);
         cp_async16(dst, ok ? src : kv, ok ? 16 : 0);
         cp_async16(dst + C::kHalfBytes, ok ? src + a.v_off : kv, ok ? 16 : 0);
@@ -264,7 +269,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
         for (int e = 0; e < 2; ++e) {
           const int t = tok0 + n * 8 + 2 * t4 + e;
           float& x = s[n][2 * rh + e];
-          x = t < a.valid_end ? x * a.scale_log2 : -INFINITY;
+          x = t < a.valid_end ? soft_cap(x * a.scale_log2, a.cap_log2) : -INFINITY;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

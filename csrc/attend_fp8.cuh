@@ -157,7 +157,7 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& x = s[hb][h][2 * r + e];
-            x = valid ? x * qk_scale[h] : -INFINITY;
+            x = valid ? soft_cap(x * qk_scale[h], a.cap_log2) : -INFINITY;
             mx[e] = fmaxf(mx[e], x);
           }
         }

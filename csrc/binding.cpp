@@ -98,38 +98,60 @@ void merge(const at::Tensor& partial, const at::Tensor& meta, const at::Tensor& 
   TORCH_CHECK(err == cudaSuccess, "pkv.merge launch failed: ", cudaGetErrorString(err));
 }
 
-// v4: named arguments; the step's split is decided by the kernel from seq_lens.
-void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& seq_lens,
-                  const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
-                  const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
-                  const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale) {
-  check_cuda(q, "q"); check_cuda(kv, "kv"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
+// v4: named arguments; the step's split is decided by the kernel from seq_lens. K and V are
+// [num_pages, Hkv, P, D] views with any page, head and token strides (one tensor's halves,
+// a (K, V) pair, or another layout seen through permuted views); the last dim is contiguous.
+void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& block_table,
+                        const at::Tensor& seq_lens, const at::Tensor& req_ids, const at::Tensor& out,
+                        const std::optional<at::Tensor>& lse, const at::Tensor& partial, const at::Tensor& counters,
+                        int64_t num_ctas, int64_t min_tiles, const std::optional<at::Tensor>& page_scales,
+                        double k_scale, double v_scale, double sm_scale, double logits_soft_cap) {
+  check_cuda(q, "q"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
-  const bool fp8 = kv.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK((fp8 || q.scalar_type() == kv.scalar_type()) && out.scalar_type() == q.scalar_type(),
+  TORCH_CHECK(k.is_cuda() && v.is_cuda() && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
+                  k.scalar_type() == v.scalar_type() && k.stride(3) == 1,
+              "pkv.graph_decode: K and V must be CUDA [num_pages, Hkv, P, D] views of one dtype and strides, "
+              "last dim contiguous");
+  const int64_t esize = k.element_size();
+  const bool aligned = reinterpret_cast<uintptr_t>(k.data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(v.data_ptr()) % 16 == 0 && k.stride(0) * esize % 16 == 0 &&
+                       k.stride(1) * esize % 16 == 0 && k.stride(2) * esize % 16 == 0;
+  TORCH_CHECK(aligned, "pkv.graph_decode: K/V pages, heads and tokens must start on 16-byte boundaries");
+  const bool fp8 = k.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK((fp8 || q.scalar_type() == k.scalar_type()) && out.scalar_type() == q.scalar_type(),
               "pkv: dtype mismatch (kv is q's dtype or float8_e4m3fn; out is q's)");
-  TORCH_CHECK(!fp8 || kv.size(4) <= pkv::kFp8MaxHeadDim, "pkv.graph_decode: an FP8 cache is built for head_dim <= ",
+  TORCH_CHECK(!fp8 || k.size(3) <= pkv::kFp8MaxHeadDim, "pkv.graph_decode: an FP8 cache is built for head_dim <= ",
               pkv::kFp8MaxHeadDim);
   TORCH_CHECK(fp8 || (k_scale == 1.0 && v_scale == 1.0 && !page_scales), "pkv.graph_decode: scales need an FP8 cache");
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && req_ids.scalar_type() == at::kInt &&
               block_table.scalar_type() == at::kInt && counters.scalar_type() == at::kInt, "pkv: int32 metadata expected");
   TORCH_CHECK(partial.scalar_type() == at::kFloat, "pkv.graph_decode: float32 partial workspace expected");
-  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2 && q.dim() == 3 && out.sizes() == q.sizes(),
-              "pkv: kv[pages,2,Hkv,P,D] and q, out [B,Hq,D] expected");
-  const int64_t rows = q.size(0), H = kv.size(2), D = kv.size(4);
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "pkv: q, out [B,Hq,D] expected");
+  const int64_t rows = q.size(0), H = k.size(1), D = k.size(3);
   TORCH_CHECK(seq_lens.numel() == rows && req_ids.numel() == rows, "pkv.graph_decode: seq_lens/req_ids need B entries");
   TORCH_CHECK(q.size(1) % H == 0 && q.size(2) == D, "pkv.graph_decode: q heads/head_dim do not match kv");
   const int64_t G = q.size(1) / H;
   TORCH_CHECK(counters.numel() >= rows * H, "pkv.graph_decode: counters need B * Hkv entries");
   TORCH_CHECK(partial.numel() >= pkv::acc_offset(2 * num_ctas, G) + 2 * num_ctas * G * D,
               "pkv.graph_decode: partial workspace too small for num_ctas");
-  const int64_t P = kv.size(3);
+  const int64_t P = k.size(2);
   TORCH_CHECK(P > 0 && (P & (P - 1)) == 0, "pkv: page size must be a power of two");
+  if (lse) {
+    check_cuda(*lse, "lse");
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->numel() == rows * q.size(1), "pkv.graph_decode: lse [B, Hq] float32");
+  }
+  TORCH_CHECK(sm_scale > 0 && logits_soft_cap >= 0, "pkv.graph_decode: sm_scale > 0 and logits_soft_cap >= 0");
   const at::cuda::CUDAGuard guard(q.device());
   pkv::GraphDecodeParams p{};
   p.q = q.data_ptr();
   p.out = out.data_ptr();
-  p.kv = kv.data_ptr();
+  p.kv = k.data_ptr();
+  p.v = v.data_ptr();
+  p.page_stride = k.stride(0);
+  p.head_stride = k.stride(1);
+  p.token_stride = k.stride(2);
+  p.lse = lse ? lse->data_ptr<float>() : nullptr;
+  p.soft_cap_log2 = static_cast<float>(logits_soft_cap * M_LOG2E);
   p.block_table = block_table.data_ptr<int>();
   p.bt_stride = block_table.size(1);
   p.seq_lens = seq_lens.data_ptr<int>();
@@ -142,13 +164,13 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
   p.page_shift = 63 - __builtin_clzll(static_cast<unsigned long long>(P));
   p.num_ctas = static_cast<int>(num_ctas);
   p.min_tiles = static_cast<int>(min_tiles);
-  p.scale_log2 = static_cast<float>(M_LOG2E / std::sqrt(static_cast<double>(D)));
+  p.scale_log2 = static_cast<float>(M_LOG2E * sm_scale);
   p.k_scale = static_cast<float>(k_scale);
   p.v_scale = static_cast<float>(v_scale);
   if (page_scales) {
     check_cuda(*page_scales, "page_scales");
     TORCH_CHECK(page_scales->scalar_type() == at::kFloat && page_scales->dim() == 3 &&
-                    page_scales->size(0) == kv.size(0) && page_scales->size(1) == 2 && page_scales->size(2) == H,
+                    page_scales->size(0) == k.size(0) && page_scales->size(1) == 2 && page_scales->size(2) == H,
                 "pkv.graph_decode: page_scales must be float32 [num_pages, 2, Hkv]");
     TORCH_CHECK(P >= 16, "pkv.graph_decode: page scales need pages of >= 16 tokens");
     p.page_scales = page_scales->data_ptr<float>();
@@ -156,6 +178,18 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
   const cudaError_t err =
       pkv::launch_graph_decode(p, dtype_of(q), fp8, static_cast<int>(D), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "pkv.graph_decode launch failed: ", cudaGetErrorString(err));
+}
+
+// Our layout kv [num_pages, 2, Hkv, P, D], the scale 1/sqrt(D), no cap, no LSE (the pkv-graph engine).
+void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& seq_lens,
+                  const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
+                  const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
+                  const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale) {
+  check_cuda(kv, "kv");
+  TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "pkv: kv[pages,2,Hkv,P,D] expected");
+  graph_decode_paged(q, kv.select(1, 0), kv.select(1, 1), block_table, seq_lens, req_ids, out, std::nullopt, partial,
+                     counters, num_ctas, min_tiles, page_scales, k_scale, v_scale,
+                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0);
 }
 
 int64_t graph_ctas_per_sm(int64_t head_dim) { return pkv::graph_decode_ctas_per_sm(static_cast<int>(head_dim)); }
@@ -183,6 +217,9 @@ TORCH_LIBRARY(pkv, m) {
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
         "float k_scale=1.0, float v_scale=1.0) -> ()");
+  m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
+        "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
+        "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
 }
 
@@ -191,4 +228,5 @@ TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
   m.impl("merge", &merge);
   m.impl("read_probe", &read_probe);
   m.impl("graph_decode", &graph_decode);
+  m.impl("graph_decode_paged", &graph_decode_paged);
 }

@@ -104,10 +104,11 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.kv = p.kv;
     a.bt = p.block_table + static_cast<int64_t>(s_req[r]) * p.bt_stride;
     a.q = reinterpret_cast<const T*>(p.q) + qo;
-    const int P = 1 << p.page_shift;
-    a.head_off = static_cast<int64_t>(h) * P * D;
-    a.v_off = static_cast<int64_t>(H) * P * D;
-    a.page_elems = 2 * a.v_off;
+    a.head_off = static_cast<int64_t>(h) * p.head_stride;
+    a.v_off = (static_cast<const char*>(p.v) - static_cast<const char*>(p.kv)) / (kFp8 ? 1 : 2);
+    a.page_elems = p.page_stride;
+    a.tok_stride = p.token_stride;
+    a.cap_log2 = p.soft_cap_log2;
     a.page_shift = p.page_shift;
     a.t_begin = static_cast<int>(u - seg_begin) * kTile;
     a.t_end = min(static_cast<int>(piece_end - seg_begin) * kTile, s_len[r]);
@@ -125,8 +126,9 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
       else attend_range<T, D, kRows>(a, smem, emit);
     };
     if (j0 == j1) {
-      attend([&](int e, int, float a0, float a1, float, float den) {
+      attend([&](int e, int hh, float a0, float a1, float mx, float den) {
         Mma<T>::store2(out + e, a0 / den, a1 / den);
+        if (p.lse != nullptr && e % D == 0) p.lse[qo / D + hh] = lse_of(mx, den);
       });
     } else {
       attend([&](int e, int hh, float a0, float a1, float mx, float den) {
@@ -152,7 +154,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
                                  [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
                                  reinterpret_cast<float*>(smem), (C::kSmem - kRedBytes) / 4,
-                                 reinterpret_cast<float4*>(smem + (C::kSmem - kRedBytes)));
+                                 reinterpret_cast<float4*>(smem + (C::kSmem - kRedBytes)),
+                                 p.lse != nullptr ? p.lse + qo / D : nullptr);
         if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
       }
       __syncthreads();

@@ -21,7 +21,12 @@ constexpr int kGraphMaxRows = 1024;  // rows one step may hold (lengths are scan
 struct GraphDecodeParams {
   const void* q;            // [num_rows, Hq, D]
   void* out;                // [num_rows, Hq, D]; rows of length 0 are not written
-  const void* kv;           // [num_pages, 2, Hkv, P, D], the query's type or FP8 e4m3
+  const void* kv;           // K, the query's type or FP8 e4m3: element (page, head, token, d) at
+                            // page * page_stride + head * head_stride + token * token_stride + d
+  const void* v;            // V, same strides (our layout [num_pages, 2, Hkv, P, D]: K + Hkv * P * D)
+  int64_t page_stride, head_stride, token_stride;  // elements; rows 16-byte aligned
+  float* lse;               // null or [num_rows, Hq] FP32 natural-log LSE of the scaled (capped) logits
+  float soft_cap_log2;      // logits soft cap times log2(e); 0 = off
   const float* page_scales; // FP8: null or [num_pages, 2, Hkv] factors on top of k_scale / v_scale
   const int* block_table;   // [R, bt_stride] physical page ids, indexed by request id
   int64_t bt_stride;
@@ -35,7 +40,7 @@ struct GraphDecodeParams {
   int page_shift;           // log2(page size)
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
-  float scale_log2;         // log2(e) / sqrt(D)
+  float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
 };
 

@@ -84,6 +84,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) decode_ker
     a.head_off = static_cast<int64_t>(kvh) * P * D;
     a.v_off = static_cast<int64_t>(H) * P * D;
     a.page_elems = 2 * a.v_off;
+    a.tok_stride = D;
     a.page_shift = p.page_shift;
     a.t_begin = t_begin;
     a.t_end = t_end;

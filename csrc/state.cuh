@@ -16,6 +16,8 @@
 namespace pkv {
 
 __device__ __forceinline__ float rescale(float m_s, float m) { return m_s == -INFINITY ? 0.f : exp2f(m_s - m); }
+// Natural-log log-sum-exp of the logits of a state (m, l) kept in the log2 domain.
+__device__ __forceinline__ float lse_of(float m, float l) { return (m + log2f(l)) * 0.693147180559945309f; }
 
 
 // Exact merge of the n partial states slot_of(0..n-1) of one segment into its G output
@@ -26,9 +28,10 @@ __device__ __forceinline__ float rescale(float m_s, float m) { return m_s == -IN
 // head reduces max and denominator from shared memory; (3) threads own float4 columns of
 // acc and stream the states with the weights, kInFlight loads in flight. (A serial per-state loop in step 2 cost one round
 // trip per state, ~10 us at 24 splits: ncu of v3's merge kernel.) s_red: blockDim.x float4.
+// lse: null or the G heads' merged LSE (lse_of), FP32.
 template <typename T, int D, bool kCoherent, class SlotOf>
 __device__ void merge_states(const float* partial, int num_slots, int G, int n, SlotOf slot_of, T* out_heads,
-                             float* s_w, int s_w_floats, float4* s_red) {
+                             float* s_w, int s_w_floats, float4* s_red, float* lse = nullptr) {
   constexpr int kInFlight = 16;
   const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
   const float* m = partial;
@@ -60,6 +63,7 @@ __device__ void merge_states(const float* partial, int num_slots, int G, int n, 
 #pragma unroll
     for (int o = 16; o; o >>= 1) den += __shfl_xor_sync(0xffffffffu, den, o);
     if (lane == 0) s_max[g] = mx, s_inv[g] = 1.f / den;
+    if (lane == 0 && lse != nullptr) lse[g] = lse_of(mx, den);
   }
   __syncthreads();
   for (int i = tid; i < ng; i += nt) s_w[i] = rescale(s_w[i], s_max[i % G]) * s_inv[i % G];

@@ -1,5 +1,7 @@
-"""The engine registry is the one list of engine names; pkv.plan.schedule holds the one split
+"""The engine table is the one list of engine names; pkv.plan.schedule holds the one split
 rule and slot size that the schedules, the launch builder and the cost model share."""
+
+import re
 
 import numpy as np
 import pytest
@@ -8,7 +10,7 @@ import yaml
 from pkv.bench import splits as bench
 from pkv.plan import costmodel
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine, registry
+from pkv.engines import make_engine, table
 from pkv.engines.persistent import kernel_launches
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy, slot_bytes, slot_floats, workqueue_row_splits, workqueue_schedule
@@ -30,20 +32,45 @@ def _config_engines(node) -> set[str]:
 def test_every_configured_engine_is_registered():
     cfg = yaml.safe_load(open("config.yaml"))
     names = _config_engines(cfg)
-    assert names and names <= set(registry.ENGINES), names - set(registry.ENGINES)
+    assert names and names <= set(table.ENGINES), names - set(table.ENGINES)
 
 
 def test_lists_derive_from_the_table():
-    assert registry.PKV_ENGINES == {"pkv-workqueue": "workqueue", "pkv-masked": "masked", "pkv-bucket": "bucket",
-                                    "pkv-fused": "workqueue"}
-    assert registry.PKV_KINDS == {k: v for k, v in registry.PKV_ENGINES.items() if k != "pkv-fused"}
-    assert registry.FLASHINFER == ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
-    assert bench.PKV_ENGINES == tuple(registry.PKV_ENGINES)
-    assert set(bench.BASELINES) == set(registry.FLASHINFER) | {"sdpa-repack"}
+    assert table.pkv_engines() == {"pkv-workqueue": "workqueue", "pkv-masked": "masked", "pkv-bucket": "bucket",
+                                   "pkv-fused": "workqueue"}
+    assert table.pkv_kinds() == {k: v for k, v in table.pkv_engines().items() if k != "pkv-fused"}
+    assert table.flashinfer() == ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
+    assert table.baselines() == ("flashinfer", "flashinfer-tc")
+    assert table.pkv_routes() == {"pkv-workqueue": "workqueue", "pkv-bucket": "bucket"}
+    assert bench.PKV_ENGINES == tuple(table.pkv_engines())
+    assert set(bench.BASELINES) == set(table.flashinfer()) | {"sdpa-repack"}
+
+
+def test_the_table_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = "import sys; import pkv.engines.table, pkv.engines; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"
+
+
+def test_one_spec_syntax():
+    assert table.parse_spec("pkv-masked:row_local=false,early_exit=true") == \
+        ("pkv-masked", {"row_local": False, "early_exit": True})
+    assert table.parse_spec("pkv-graph:min_tiles=4") == ("pkv-graph", {"min_tiles": 4})
+    with pytest.raises(ValueError, match="takes no option 'splits'"):
+        table.parse_spec("pkv-graph:splits=4")
+    with pytest.raises(ValueError, match="unknown engine"):
+        table.parse_spec("pkv-nope")
+    with pytest.raises(ValueError, match="key=true, key=false or key=<integer>"):
+        table.parse_spec("pkv-graph:min_tiles=x")
+    pattern = re.compile(table.spec_pattern())
+    assert pattern.match("pkv-masked:row_local=false") and pattern.match("flashinfer-tc")
+    assert not pattern.match("flashinfer-tcx") and not pattern.match("pkv-graph[min_tiles=4]")
 
 
 def test_graph_entry():
-    e = registry.ENGINES["pkv-graph"]
+    e = table.ENGINES["pkv-graph"]
     assert e.family == "pkv-graph" and "no host plan" in e.description and e.cpu
     shape = Shape(8, 2, 16, 4)
     cache = PagedCache.random(shape, assign_pages(np.array([40]), 4, 0.0, 0))
@@ -54,6 +81,50 @@ def test_graph_entry():
         make_engine("pkv-nope", cache)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         make_engine("flashinfer", cache)
+
+
+NEW_ENGINE = """
+from pkv.engines.cpu import ReferenceEngine
+
+
+def build(name, info, cache, policy=None, **options):
+    return ReferenceEngine(cache, **options)
+"""
+
+
+def test_a_new_engine_is_one_row_and_a_module(tmp_path, monkeypatch):
+    """A row in the table and a module of its own: the schema, the CLI's choices, the
+    report's name lists and make_engine all find it, with no other edit."""
+    import sys
+
+    from pkv.bench import host
+    from pkv.cli.main import build_parser
+    from pkv.config.resolve import ConfigError, load_schema, validate_config
+    from pkv.report import ratios
+
+    (tmp_path / "my_engine.py").write_text(NEW_ENGINE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    row = table.EngineInfo("flashinfer", "decode", "a new baseline", "my_engine", cpu=True, baseline=True)
+    monkeypatch.setitem(table.ENGINES, "my-engine", row)
+    sys.modules.pop("my_engine", None)
+
+    cfg = yaml.safe_load(open("config.yaml"))
+    cfg["baselines"] = ["flashinfer", "my-engine"]
+    validate_config(cfg, load_schema())                      # the schema takes its name
+    cfg["baselines"] = ["flashinfer", "my-engine2"]
+    with pytest.raises(ConfigError, match="baselines"):
+        validate_config(cfg, load_schema())
+    bench_host = build_parser("bench")._subparsers._group_actions[0].choices["bench"]
+    host_parser = bench_host._subparsers._group_actions[0].choices["host"]
+    engines = next(a for a in host_parser._actions if a.dest == "engines")
+    assert "my-engine" in engines.choices and "my-engine" in engines.default   # the CLI's choices
+    assert "my-engine" in table.baselines() and "my-engine" in table.flashinfer()
+    frame = __import__("pandas").DataFrame({"engine": ["my-engine", "pkv-graph"]})
+    assert ratios.baselines(frame) == ["my-engine"]          # the report's name lists
+    shape = Shape(8, 2, 16, 4)
+    cache = PagedCache.random(shape, assign_pages(np.array([40]), 4, 0.0, 0))
+    assert type(make_engine("my-engine", cache)).__name__ == "ReferenceEngine"
+    assert host is not None
 
 
 @pytest.mark.parametrize("seed", range(8))

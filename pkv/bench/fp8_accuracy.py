@@ -19,6 +19,8 @@ import sys
 import numpy as np
 import torch
 
+from pkv.engines.table import baselines
+
 K = 1024
 DATA = ("random", "outliers-x10", "outliers-x100", "head-spread")
 OUTLIER_CHANNELS = 4     # per KV head, the same channels for every token (as in real K caches)
@@ -89,7 +91,7 @@ def measure(data: list[str], seeds: list[int], engines: list[str], lens: list[in
 def add_arguments(ap) -> None:
     ap.add_argument("--data", default=",".join(DATA), help="comma-separated data kinds: " + ",".join(DATA))
     ap.add_argument("--seeds", default="20260623,20260624,20260625", help="comma-separated seeds (caches and queries)")
-    ap.add_argument("--engines", default="pkv-graph,flashinfer,flashinfer-tc",
+    ap.add_argument("--engines", nargs="+", default=["pkv-graph", *baselines()],
                     help="engines decoding each cache (one that cannot read it records its error)")
     ap.add_argument("--lens", default="1024,2048,3000,4096,8192,12000,16384,32768",
                     help="comma-separated request lengths of the batch")
@@ -116,7 +118,7 @@ def run(args, command: str) -> int:
         raise ValueError(f"unknown data kind(s) {unknown}; choose from {DATA}")
     shape = Shape(32, 8, 128, 16, "float16")
     lens = [int(x) for x in args.lens.split(",")]
-    rows = measure(data, [int(s) for s in args.seeds.split(",")], args.engines.split(","), lens, shape, args.device)
+    rows = measure(data, [int(s) for s in args.seeds.split(",")], list(args.engines), lens, shape, args.device)
     meta = {**io.provenance(), "command": command, "shape": repr(shape), "lens": ",".join(map(str, lens))}
     io.write_parquet(pd.DataFrame(rows), args.out, meta)
     print(f"wrote {args.out} ({len(rows)} rows)")

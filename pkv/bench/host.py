@@ -33,15 +33,13 @@ import torch
 from pkv.core import io
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import Constants, Router
-from pkv.engines import make_engine, registry
+from pkv.engines import make_engine, table
 from pkv.core.harness import StepState
 from pkv.config.resolve import device_of, load_config, shape_of
 from pkv.core.paging import assign_pages, flashinfer_view
 from pkv.plan.schedule import SplitPolicy
 
 BATCHES = (1, 8, 32, 128)
-ENGINES = ("flashinfer", "flashinfer-tc", "flashinfer-persistent", "pkv-workqueue", "pkv-bucket", "adaptive",
-           "pkv-graph")
 SMOKE = {"batches": (1, 4), "min_len": 16, "max_len": 200, "steps": 4}
 BAR_FACTOR, BAR_US = 1.10, 10.0
 
@@ -65,9 +63,9 @@ def build(name: str, cache: PagedCache, k: Constants | None, point: str | None):
         if k is None:
             raise ValueError("adaptive needs --constants")
         return make_engine("adaptive", cache, constants=k, point=point)
-    if registry.family(name) == "pkv":
+    if table.family(name) == "pkv":
         if k is not None and point is not None:
-            policy = SplitPolicy(k.split(point, registry.ENGINES[name].kind), k.min_tiles_per_split)
+            policy = SplitPolicy(k.split(point, table.ENGINES[name].kind), k.min_tiles_per_split)
         else:
             policy = None
         options = {} if cache.kv.is_cuda else {"num_sms": k.sm_count if k else 1}
@@ -164,7 +162,7 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
             try:
                 engine = build(name, cache, k, point)
                 row = {**base, **time_engine(engine, trace_steps, q, cuda), "error": ""}
-                if registry.family(name) == "flashinfer":
+                if table.family(name) == "flashinfer":
                     row.update(raw_plan(engine, trace_steps, cuda))
                     row["bar_us"] = BAR_FACTOR * row["raw_plan_us"] + BAR_US
                     row["meets_bar"] = bool(row["prepare_us"] <= row["bar_us"])
@@ -240,9 +238,9 @@ def run_host(args) -> int:
     steps = SMOKE["steps"] if smoke else args.steps
     min_len, max_len = (SMOKE["min_len"], SMOKE["max_len"]) if smoke else (args.min_len, args.max_len)
     args.batches, args.steps, args.min_len, args.max_len = ",".join(map(str, batches)), steps, min_len, max_len
-    engines = [e for e in args.engines.split(",") if e]
+    engines = list(args.engines)
     if device_of(cfg) == "cpu":   # only the engines with a CPU implementation
-        engines = [e for e in engines if registry.ENGINES[e].cpu]
+        engines = [e for e in engines if table.ENGINES[e].cpu]
     frame = bench(cfg, k, engines, batches, steps, min_len, max_len, args.seed)
     command = "pkv bench host " + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()
                                            if key not in ("func", "command", "bench") and value != "")
@@ -259,7 +257,8 @@ def add_command(bench_sub) -> None:
                                           "beside FlashInfer's raw plan()")
     p.add_argument("--config", required=True, help="the frozen config.json (shape, profile, holes)")
     p.add_argument("--constants", default="", help="constants.json (splits, adaptive); empty: defaults, no adaptive")
-    p.add_argument("--engines", default=",".join(ENGINES))
+    p.add_argument("--engines", nargs="+", default=list(table.deployable()), choices=list(table.ENGINES),
+                   metavar="ENGINE", help="engines to time (choices: the engine table)")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--steps", type=int, default=64, help="consecutive decode steps timed per engine and batch")
     p.add_argument("--min-len", type=int, default=1024)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pkv.engines.registry import FLASHINFER   # the one table of engine names
+from pkv.engines.table import flashinfer, parse_spec   # the one table of engine names
 
 K = 1024
 
@@ -133,12 +133,8 @@ def build_caches(case: SweepCase, seed: int):
 
 def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> float:
     from pkv.engines import make_engine
-    from pkv.plan.schedule import SplitPolicy
     from pkv.measure.timing import graph_us_per_call
 
-    options = dict(options)
-    if "splits" in options:  # a host-planned PersistentKV schedule at a fixed split count
-        options["policy"] = SplitPolicy(options.pop("splits"))
     engines = [make_engine(name, c, **options) for c in caches]
     calls = [(e, e.prepare(step), q) for e, q in zip(engines, queries)]
     for e, p, q in calls:  # warm-up: JIT load, allocator
@@ -147,14 +143,15 @@ def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> f
     return graph_us_per_call(calls, reps)
 
 
-def run_case(case: SweepCase, engines: list[tuple[str, dict]], reps: int, roofline: float, seed: int) -> list[dict]:
+def run_case(case: SweepCase, engines: list[str], reps: int, roofline: float, seed: int) -> list[dict]:
+    """Every engine spec (pkv.engines.table.parse_spec) on `case`; a row per spec, labelled by it."""
     from pkv.core.harness import StepState
 
     caches, queries = build_caches(case, seed)
     step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
     rows = []
-    for name, options in engines:
-        label = name + ("" if not options else "[" + ",".join(f"{k}={v}" for k, v in options.items()) + "]")
+    for label in engines:
+        name, options = parse_spec(label)
         try:
             us, error = time_engine(name, options, caches, queries, step, reps), ""
         except (ValueError, RuntimeError) as err:  # a variant that does not build or run this shape
@@ -177,7 +174,7 @@ def run_case(case: SweepCase, engines: list[tuple[str, dict]], reps: int, roofli
 
 def with_ratios(frame):
     """ratio = faster FlashInfer variant / engine (same case, same run)."""
-    fi = frame[frame.engine.isin(FLASHINFER)].groupby("case").graph_us.min().rename("best_flashinfer_us")
+    fi = frame[frame.engine.isin(flashinfer())].groupby("case").graph_us.min().rename("best_flashinfer_us")
     frame = frame.drop(columns=[c for c in ("best_flashinfer_us", "ratio") if c in frame]).join(fi, on="case")
     frame["ratio"] = frame.best_flashinfer_us / frame.graph_us
     return frame
@@ -188,8 +185,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
     ap.add_argument("--cases", default="", help="comma-separated case names to keep (default: every case)")
     ap.add_argument("--page-size", type=int, default=0, help="run every case at this page size (default: the case's)")
-    ap.add_argument("--engines", default="pkv-graph," + ",".join(FLASHINFER),
-                    help="engines; name[key=value;...] sets options, e.g. pkv-graph[min_tiles=4]")
+    ap.add_argument("--engines", nargs="+", default=["pkv-graph", *flashinfer()],
+                    help="engine specs (name or name:key=value,...), e.g. pkv-graph:min_tiles=4")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
     ap.add_argument("--seed", type=int, default=20260622, help="seed of the KV bytes, queries and ragged lengths")
     ap.add_argument("--out", default="results/raw/kernels/sweep.parquet", help="Parquet file to write")
@@ -210,11 +207,9 @@ def run(args, command: str) -> int:
 
     if not torch.cuda.is_available():
         raise ValueError("pkv bench kernels needs a CUDA device")
-    engines = []
-    for spec in args.engines.split(","):
-        name, _, opts = spec.partition("[")
-        options = {k: int(v) for k, v in (kv.split("=") for kv in opts.rstrip("]").split(";") if kv)}
-        engines.append((name, options))
+    engines = list(args.engines)
+    for spec in engines:
+        parse_spec(spec)   # a bad spec stops before the GPU work
     unknown = [s for s in args.suites.split(",") if s not in SUITES]
     if unknown:
         raise ValueError(f"unknown suite(s) {unknown}; choose from {sorted(SUITES)}")

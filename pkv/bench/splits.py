@@ -23,7 +23,7 @@ import torch
 
 from pkv.core import io
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine, registry
+from pkv.engines import make_engine, table
 from pkv.engines.common import num_sms
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
@@ -32,8 +32,8 @@ from pkv.core.shape import Shape
 from pkv.measure.timing import events_us, graph_us_per_call
 
 K = 1024
-PKV_ENGINES = registry.names("pkv")
-BASELINES = registry.names("flashinfer", "sdpa")
+PKV_ENGINES = table.names("pkv")
+BASELINES = table.names("flashinfer", "sdpa")
 SPLIT_CANDIDATES = (4, 8, 12, 16, 24, 33, 48, 66)
 
 

@@ -160,9 +160,18 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "co
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
+    """The config schema, with the names only the code's tables know filled in: the engine
+    specs (pkv.engines.table) and the trace families (pkv.core.traces), so a new engine or
+    family needs no schema edit."""
     import yaml
 
-    return yaml.safe_load(Path(path).read_text())
+    from pkv.core.traces import FAMILIES
+    from pkv.engines.table import spec_pattern
+
+    schema = yaml.safe_load(Path(path).read_text())
+    schema["$defs"]["engine"]["pattern"] = spec_pattern()
+    schema["$defs"]["family"]["enum"] = list(FAMILIES)
+    return schema
 
 
 def validate_config(cfg: dict, schema: dict, source: str = "config") -> None:

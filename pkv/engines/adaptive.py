@@ -16,11 +16,11 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import Constants, Router
+from pkv.engines.table import pkv_routes
 from pkv.engines.base import Engine, Plan
 from pkv.core.harness import StepState
 from pkv.plan.schedule import SplitPolicy
 
-PKV_ROUTES = ("bucket", "workqueue")
 
 
 @dataclass
@@ -46,9 +46,9 @@ class AdaptiveEngine(Engine):
         self.policies, self.pkv = {}, {}
         if cache.shape.group in self.k.supported_groups:
             cpu = {} if cache.kv.is_cuda else {"num_sms": self.k.sm_count}
-            for kind in PKV_ROUTES:
+            for name, kind in pkv_routes().items():
                 self.policies[kind] = SplitPolicy(self.k.split(point, kind), self.k.min_tiles_per_split)
-                self.pkv[kind] = make_engine(f"pkv-{kind}", cache, self.policies[kind], **cpu)
+                self.pkv[kind] = make_engine(name, cache, self.policies[kind], **cpu)
         self.inner_engines = [*self.baselines.values(), *self.pkv.values()]
         self.validate = validate
         self.router = Router(cache.shape, self.k, self.baselines, self.policies, cache=cache_decisions)
@@ -81,3 +81,10 @@ class AdaptiveEngine(Engine):
 
     def run(self, q: torch.Tensor, plan: AdaptivePlan) -> torch.Tensor:
         return plan.engine.run(q, plan.inner)
+
+
+def build(name, info, cache, policy=None, **options):
+    from pkv.engines.registry import no_policy
+
+    no_policy(name, policy)
+    return AdaptiveEngine(cache, **options)

@@ -68,3 +68,12 @@ class TaskListEngine(Engine):
     def run(self, q: torch.Tensor, plan: TablePlan) -> torch.Tensor:
         self.check_query(q, plan)
         return run_schedule(q, self.cache.values(), plan.block_table, plan.seq_lens, plan.schedule).to(q.dtype)
+
+
+def build(name, info, cache, policy=None, **options):
+    """The reference (any device), or a pkv-* engine's task-list stand-in on a CPU cache."""
+    if info.family == "reference":
+        return ReferenceEngine(cache, **options)
+    from pkv.plan.schedule import SplitPolicy
+
+    return TaskListEngine(cache, info.kind, policy or SplitPolicy(8), **options)

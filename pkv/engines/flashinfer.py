@@ -86,3 +86,11 @@ class FlashInferEngine(Engine):
         self.check_query(q, plan)
         out = self.wrapper.run(q, self.cache.kv, **self._scales)
         return out[0] if isinstance(out, tuple) else out
+
+
+def build(name, info, cache, policy=None, **options):
+    from pkv.engines.registry import check_options, no_policy
+
+    no_policy(name, policy)
+    check_options(name, options, info.options)
+    return FlashInferEngine(cache, name, **options)

@@ -119,3 +119,11 @@ class GraphEngine(Engine):
         schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles)
         out[:b] = run_schedule(q[:b], self.cache.values(), table, lens, schedule).to(q.dtype)
         return out
+
+
+def build(name, info, cache, policy=None, **options):
+    from pkv.engines.registry import check_options, no_policy
+
+    no_policy(name, policy)
+    check_options(name, options, info.options)
+    return GraphEngine(cache, **options)

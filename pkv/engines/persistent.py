@@ -17,7 +17,7 @@ from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging, num_sms
 from pkv.engines.cpu import build_schedule
-from pkv.engines.registry import PKV_ENGINES
+from pkv.engines.table import pkv_engines
 from pkv.core.harness import StepState
 from pkv.plan.schedule import (Counters, Schedule, SplitPolicy, slot_bytes, slot_floats, split_bounds,
                           workqueue_row_splits)
@@ -154,7 +154,7 @@ class PkvEngine(Engine):
             raise ValueError(f"{name} supports head_dim 64 and 128, got {s.head_dim}")
         if s.group not in GROUPS:
             raise ValueError(f"{name} supports GQA group sizes {', '.join(map(str, GROUPS))}, got {s.group}")
-        self.name, self.kind, self.fused = name, PKV_ENGINES[name], name == "pkv-fused"
+        self.name, self.kind, self.fused = name, pkv_engines()[name], name == "pkv-fused"
         self.policy = policy or default_policy(cache)
         if self.policy.splits > MAX_SPLITS:
             raise ValueError(f"{name} supports at most {MAX_SPLITS} splits, got {self.policy.splits}")
@@ -250,3 +250,17 @@ def _kernel_ops():
     from pkv.kernels.loader import ops
 
     return ops()
+
+
+def build(name, info, cache, policy=None, **options):
+    """A host-scheduled v3 engine: the kernels on a CUDA cache, the task-list engine on a CPU one."""
+    from pkv.engines.registry import check_options
+
+    if "splits" in options:   # a spec's fixed split count (pkv-workqueue:splits=16)
+        policy = SplitPolicy(options.pop("splits"))
+    if not cache.kv.is_cuda:
+        from pkv.engines.cpu import build as cpu_build
+
+        return cpu_build(name, info, cache, policy, **options)
+    check_options(name, options, set(info.options) - {"num_sms"})
+    return PkvEngine(cache, name, policy, **options)

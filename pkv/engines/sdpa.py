@@ -53,3 +53,11 @@ class SdpaRepackEngine(Engine):
                 q[i, :, None, :][None], kv[0][None], kv[1][None], scale=1.0 / math.sqrt(s.head_dim), enable_gqa=True)
             out[i] = o[0, :, 0]
         return out
+
+
+def build(name, info, cache, policy=None, **options):
+    from pkv.engines.registry import check_options, no_policy
+
+    no_policy(name, policy)
+    check_options(name, options, info.options)
+    return SdpaRepackEngine(cache, **options)

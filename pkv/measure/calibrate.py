@@ -25,13 +25,13 @@ import numpy as np
 import pandas as pd
 import torch
 
+from pkv.engines.table import pkv_routes
 from pkv.plan.costmodel import Constants, RouteCost, estimate
 from pkv.measure.loop import Job, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
 from pkv.measure.timing import sync
 
-PKV_KINDS = ("bucket", "workqueue")
 FIT_CTAS = tuple(2 ** i for i in range(8))
 
 
@@ -82,7 +82,7 @@ def sweep(cfg: dict, provisional: Constants) -> pd.DataFrame:
         cache = build_cache(cfg, trace, shape, cfg["measure"]["holes"], seed)
         steps = steps_of(trace, p["max_active"], c["max_steps"])
         for split in c["split_grid"]:
-            specs = [*cfg["baselines"], *(f"pkv-{kind}" for kind in PKV_KINDS)]
+            specs = [*cfg["baselines"], *pkv_routes()]
             engines = build_engines(specs, cache, provisional, point_key(p["family"], p["max_active"]), split)
             job = Job("calibrate", trace.name, p["family"], p["max_active"], seed, shape.group, split)
             frames.append(measure(job, cache, steps, engines, cfg["baselines"][0], tolerance(cfg),
@@ -101,7 +101,7 @@ def operating_points(frame: pd.DataFrame) -> dict:
         points[point_key(family, int(batch))] = {
             kind: int(max(sorted(rows["split"].unique()),
                           key=lambda s: _throughput(rows[(rows["engine"] == f"pkv-{kind}") & (rows["split"] == s)])))
-            for kind in PKV_KINDS
+            for kind in pkv_routes().values()
         }
     return points
 

@@ -15,7 +15,8 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import Constants
-from pkv.engines import Engine, make_engine, registry
+from pkv.engines import make_engine, table
+from pkv.engines.base import Engine
 from pkv.core.harness import StepState, decode_steps
 from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
@@ -27,27 +28,15 @@ from pkv.core.traces import SyntheticSpec, Trace, Transform, load_trace, synthet
 Result = tuple[pd.DataFrame, dict]
 
 
-def parse_engine(spec: str) -> tuple[str, dict]:
-    """"pkv-masked:row_local=false,early_exit=false" -> ("pkv-masked", {...: False})."""
-    name, _, opts = spec.partition(":")
-    options = {}
-    for item in filter(None, opts.split(",")):
-        key, _, value = item.partition("=")
-        if value not in ("true", "false"):
-            raise ValueError(f"engine switch {item!r} in {spec!r} must be key=true or key=false")
-        options[key] = value == "true"
-    return name, options
-
-
 def build_engine(spec: str, cache: PagedCache, k: Constants, point: str, split: int | None = None) -> Engine:
     """Engine `spec` at the frozen operating point `point`; `split` forces a split count."""
-    name, options = parse_engine(spec)
+    name, options = table.parse_spec(spec)
     if name == "adaptive":
         if split is not None:
             k = dataclasses.replace(k, operating_points={point: {**k.operating_points.get(point, {}), "bucket": split,
                                                                  "workqueue": split}})
         return make_engine("adaptive", cache, constants=k, point=point)
-    if registry.family(name) == "pkv":
+    if table.family(name) == "pkv":
         policy = SplitPolicy(split or k.split(point, name[4:]), k.min_tiles_per_split)
         if not cache.kv.is_cuda:
             options["num_sms"] = k.sm_count
@@ -124,7 +113,7 @@ def isolated(cfg: dict, k: Constants, context: int) -> Result:
                   {"source": "isolated", "context": context})
     shape = shape_of(cfg)
     frames = []
-    split_engines = [s for s in c["engines"] if registry.family(parse_engine(s)[0]) == "pkv"]
+    split_engines = [s for s in c["engines"] if table.family(table.parse_spec(s)[0]) == "pkv"]
     fixed = [s for s in _with_baselines(cfg, c["engines"]) if s not in split_engines]
     job = Job("isolated", trace.name, "isolated", 1, seed, shape.group)
     frames.append(_run(cfg, job, trace, shape, fixed, k, "", holes=c["holes"], repeats=c["repeats"], reference_every=1))
@@ -192,10 +181,10 @@ def kv_fp8(cfg: dict, k: Constants, seed: int) -> Result:
     which in `kv_dtype`."""
     c = cfg["ablations"].get("kv_fp8", KV_FP8[cfg["profile"]])
     specs = _with_baselines(cfg, c["engines"])
-    refused = [s for s in specs if parse_engine(s)[0] not in registry.FP8_READERS]
+    refused = [s for s in specs if table.parse_spec(s)[0] not in table.fp8_readers()]
     if refused:
         raise ValueError(f"ablations.kv_fp8.engines (with baselines): {refused} do not read an FP8 KV cache; "
-                         f"those that do: {list(registry.FP8_READERS)}")
+                         f"those that do: {list(table.fp8_readers())}")
     trace = synthetic_trace(cfg, c["family"], seed)
     frames = []
     for kv in ("auto", "fp8"):

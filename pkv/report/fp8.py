@@ -15,7 +15,8 @@ import argparse
 import pandas as pd
 
 from pkv.core import io
-from pkv.report.ratios import FLASHINFER, mean_sd, num, throughputs
+from pkv.engines.table import baselines
+from pkv.report.ratios import mean_sd, num, throughputs
 
 ENGINE = "pkv-graph"
 
@@ -38,8 +39,8 @@ def kernel_summary(frame: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=wide.index)
     for cache in ("16-bit", "fp8-tensor", "fp8-page"):
         out[f"{ENGINE} {cache}"] = wide.get((cache, ENGINE))
-    fi16 = [wide[("16-bit", e)] for e in FLASHINFER if ("16-bit", e) in wide]
-    fi8 = [wide[("fp8-tensor", e)] for e in FLASHINFER if ("fp8-tensor", e) in wide]
+    fi16 = [wide[("16-bit", e)] for e in baselines() if ("16-bit", e) in wide]
+    fi8 = [wide[("fp8-tensor", e)] for e in baselines() if ("fp8-tensor", e) in wide]
     out["flashinfer 16-bit"] = pd.concat(fi16, axis=1).min(axis=1) if fi16 else float("nan")
     out["flashinfer fp8"] = pd.concat(fi8, axis=1).min(axis=1) if fi8 else float("nan")
     out["roofline fp8-tensor"] = roof.get("fp8-tensor")
@@ -108,7 +109,7 @@ def accuracy_table(frame: pd.DataFrame, meta: dict) -> str:
         r = g[(g.data == data) & (g.kv == kv) & (g.engine == engine)]
         return r[col].iloc[0] if len(r) else float("nan")
 
-    fi = [e for e in FLASHINFER if e in set(ok.engine)]
+    fi = [e for e in baselines() if e in set(ok.engine)]
     lines = [
         "# FP8 (e4m3) KV cache: accuracy against the FP32 reference on the original 16-bit values",
         "",
@@ -145,7 +146,7 @@ def accuracy_table(frame: pd.DataFrame, meta: dict) -> str:
 
 def serving_table(frame: pd.DataFrame, meta: dict) -> str:
     t = throughputs(frame, ["seed", "kv_dtype"])
-    fi = t[t.engine.isin(FLASHINFER)]
+    fi = t[t.engine.isin(baselines())]
     best16 = fi[fi.kv_dtype == "auto"].groupby("seed")[["graph_tps", "wall_tps"]].max()
     best8 = fi[fi.kv_dtype == "fp8"].groupby("seed")[["graph_tps", "wall_tps"]].max()
     t = t.join(best16.add_suffix("_fi16"), on="seed").join(best8.add_suffix("_fi8"), on="seed")

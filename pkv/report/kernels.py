@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pkv.engines.table import flashinfer
 from pkv.core import io
 ENGINE = "pkv-graph"
-FLASHINFER = ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
 K = 1024
 
 
@@ -46,7 +46,7 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     out[ENGINE] = wide.get(ENGINE)
     g = frame[frame.engine == ENGINE].set_index("case")
     out["frac_of_roofline"] = g.frac_of_roofline
-    fi = [e for e in FLASHINFER if e in wide]
+    fi = [e for e in flashinfer() if e in wide]
     for e in fi:
         out[e] = wide[e]
     out["best_flashinfer"] = wide[fi].min(axis=1)
@@ -76,7 +76,7 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
         f"- Lowest ratio of any row: {s.ratio.min():.3f} ({s.ratio.idxmin()}) (bar 0.98); "
         f"{int((s.ratio < 0.98).sum())} of {int(s.ratio.notna().sum())} rows below 0.98.",
     ]
-    for name in (e for e in FLASHINFER if e in set(frame.engine)):
+    for name in (e for e in flashinfer() if e in set(frame.engine)):
         f, b = fit_b1(frame, name)
         lines.append(f"- {name} B1 fit: {f:.1f} µs + bytes / {b:.0f} GB/s.")
     return lines
@@ -84,7 +84,7 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
 
 def table(frame: pd.DataFrame, meta: dict) -> str:
     s = summary(frame)
-    fi = [e for e in FLASHINFER if e in s]
+    fi = [e for e in flashinfer() if e in s]
     head = ["case", "pkv-graph µs", "% roofline", *[f"{e} µs" for e in fi], "ratio"]
     lines = [
         "# Decode kernels: PersistentKV v4 against FlashInfer (device time)",
@@ -109,7 +109,7 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
         cells = [case, f"{r[ENGINE]:.1f}", f"{100 * r.frac_of_roofline:.1f}",
                  *[("—" if pd.isna(r[e]) else f"{r[e]:.1f}") for e in fi], f"{r.ratio:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    others = sorted(set(frame.engine) - {ENGINE, *FLASHINFER})
+    others = sorted(set(frame.engine) - {ENGINE, *flashinfer()})
     if others:
         lines += ["", "Also measured in the same run (Parquet `engine` column): " + ", ".join(others) + "."]
     return "\n".join(lines) + "\n"

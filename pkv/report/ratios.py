@@ -11,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-FLASHINFER = ("flashinfer", "flashinfer-tc")
+from pkv.engines import table
+
 TIMINGS = {"wall": "wall_s", "cuda": "cuda_s", "graph": "graph_s"}
 FAMILY_ORDER = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf", "external")
 
 
 def baselines(frame: pd.DataFrame) -> list[str]:
-    present = [b for b in FLASHINFER if b in set(frame["engine"])]
+    present = [b for b in table.baselines() if b in set(frame["engine"])]
     return present or ["reference"]
 
 

@@ -32,20 +32,20 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from pkv.engines.table import baselines, pkv_routes
 from pkv.plan.costmodel import Constants, RouteCost, estimate  # noqa: E402
 from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
 from pkv.report.ratios import modal_route, num, trace_label, trace_order  # noqa: E402
 from pkv.report.tables import load  # noqa: E402
 
-PKV_ROUTES = {"pkv-bucket": "bucket", "pkv-workqueue": "workqueue"}
 WALL_BAR, DEVICE_BAR = 0.97, 0.95
 
 
 def candidates(frame: pd.DataFrame, k: Constants) -> list[str]:
     """The fixed engines of the router's candidate routes that this frame measured."""
     present = set(frame["engine"])
-    return [e for e in (*k.baseline_ctas_per_head, *PKV_ROUTES) if e in present]
+    return [e for e in (*k.baseline_ctas_per_head, *pkv_routes()) if e in present]
 
 
 def _device(rows: pd.DataFrame) -> pd.Series:
@@ -123,13 +123,13 @@ def regret_markdown(table: pd.DataFrame, smoke: bool) -> str:
 def estimates(frame: pd.DataFrame, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> pd.DataFrame:
     """Fixed-route rows with the model's T_r recomputed from their counters (the router's
     closed-form counts equal the schedule's counters) and the constants at their point."""
-    rows = frame[frame["engine"].isin([*k.baseline_ctas_per_head, *PKV_ROUTES])]
+    rows = frame[frame["engine"].isin([*k.baseline_ctas_per_head, *pkv_routes()])]
     est = []
     for r in rows.itertuples():
         point = point_key(r.family, int(r.max_active))
         kp = k.at(point) if point in k.operating_points else k
-        if r.engine in PKV_ROUTES:
-            cost = RouteCost(PKV_ROUTES[r.engine], float(r.useful_kv_bytes), float(r.decode_ctas), int(r.launches),
+        if r.engine in pkv_routes():
+            cost = RouteCost(pkv_routes()[r.engine], float(r.useful_kv_bytes), float(r.decode_ctas), int(r.launches),
                              float(r.merge_bytes))
         else:
             cost = RouteCost(r.engine, float(r.total_tokens * kv_bytes_per_token),
@@ -155,7 +155,7 @@ COLORS = {"calibration seed (fixed route)": "tab:gray", "held-out (fixed route)"
 
 
 def accuracy_figure(points: pd.DataFrame, smoke: bool, path: Path) -> None:
-    routes = [r for r in ("flashinfer", "flashinfer-tc", "pkv-bucket", "pkv-workqueue") if r in set(points["route"])]
+    routes = [r for r in (*baselines(), *pkv_routes()) if r in set(points["route"])]
     routes += sorted(set(points["route"]) - set(routes))
     ncols = min(2, max(1, len(routes)))
     nrows = max(1, -(-len(routes) // ncols))

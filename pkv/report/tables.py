@@ -25,10 +25,11 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
+from pkv.engines import table
 from pkv.core.io import atomic_write_bytes, dict_hash, file_hash, read_meta
 from pkv.config.resolve import SMOKE_BANNER
 from pkv.measure.nsight import table5
-from pkv.report.ratios import (FAMILY_ORDER, FLASHINFER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
+from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
                         ratios, throughputs, trace_label, trace_order)
 from pkv.report.spec import FIGURE_SPECS, PER_SEED_STAGES, TABLE_SPECS
 
@@ -371,7 +372,7 @@ def status(wall_ratio: pd.Series, routes: pd.Series) -> str:
         return "Not measured"
     if lo > 1.0:
         return "Positive"
-    if routes.isin(["reference", *FLASHINFER]).all():
+    if routes.isin(["reference", *table.baselines()]).all():
         return "Baseline route (no regression)" if lo >= 0.97 else "Baseline route, slower than baseline"
     return "Mixed" if wall_ratio.mean() >= 1.0 else "Regression"
 

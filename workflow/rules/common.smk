@@ -9,6 +9,7 @@ sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
 
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, ConfigError, check_config, coerce, differences,
                                 effective, gpu_name, load_schema, resolve_profile, run_root, validate_config)
+from pkv.core.traces import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
 SCHEMA = load_schema(Path(workflow.basedir) / "workflow/schemas/config.schema.yaml")
@@ -48,7 +49,7 @@ elif not REFERENCE:
 
 
 wildcard_constraints:
-    family="bucketed|homogeneous|bimodal|uniform|zipf",
+    family="|".join(FAMILIES),
     max_active="[0-9]+",
     seed="[0-9]+",
     engine_set="[a-z][a-z0-9]*",

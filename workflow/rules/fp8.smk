@@ -17,7 +17,7 @@ rule bench_fp8_kernels:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli bench kernels --suites fp8 --engines pkv-graph,flashinfer,flashinfer-tc "
+        "python3 -m pkv.cli bench kernels --suites fp8 --engines pkv-graph flashinfer flashinfer-tc "
         "--out {output.parquet} > {log} 2>&1"
 
 

@@ -1,0 +1,137 @@
+"""The one table of engines. Every list of engines elsewhere (the config schema's names,
+the CLI's choices, the benchmarks' defaults, the reports' name lists) derives from
+`ENGINES` when it is used, so a new engine is one row here plus its module.
+
+Torch-free: the report, the Snakefile's parse step and the schema check read this table
+without importing torch. `module` names the module whose `build(name, info, cache,
+policy, **options)` makes the engine; it is imported only when an engine is built.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    family: str        # reference | pkv | pkv-graph | flashinfer | sdpa | adaptive
+    kind: str          # what the family's builder needs: a schedule kind, a FlashInfer variant, ...
+    description: str
+    module: str        # the module whose build() makes it
+    cpu: bool = False  # also runs on a CPU cache
+    fp8: bool = False  # reads an FP8 (e4m3) cache
+    baseline: bool = False     # a FlashInfer decode variant every ratio takes the faster of
+    route: bool = False        # a PersistentKV route of the adaptive router (costed by pkv.plan.costmodel)
+    ablation: bool = False     # measured only in an ablation, not among the engines a user would deploy
+    options: tuple[str, ...] = ()   # the option keys its spec may set (name:key=value,...)
+
+
+PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
+GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms")
+
+ENGINES: dict[str, EngineInfo] = {
+    "reference": EngineInfo("reference", "fp32", "Eq. 1 in FP32, one row at a time", "pkv.engines.cpu", cpu=True,
+                            fp8=True),
+    "pkv-workqueue": EngineInfo("pkv", "workqueue", "compact workqueue of non-empty (row, kv head, split) tasks",
+                                "pkv.engines.persistent", cpu=True, route=True, options=PKV_OPTIONS),
+    "pkv-masked": EngineInfo("pkv", "masked", "one coarse masked bucket sized by the longest row",
+                             "pkv.engines.persistent", cpu=True, ablation=True, options=PKV_OPTIONS),
+    "pkv-bucket": EngineInfo("pkv", "bucket", "exact length buckets: one grid launch per distinct length",
+                             "pkv.engines.persistent", cpu=True, route=True, options=PKV_OPTIONS),
+    "pkv-fused": EngineInfo("pkv", "workqueue", "workqueue with the atomic-counter fused merge (ablation)",
+                            "pkv.engines.persistent", ablation=True, options=PKV_OPTIONS),
+    "pkv-graph": EngineInfo("pkv-graph", "graph", "single-launch decode, splits decided on the GPU, no host plan, "
+                            "CUDA-graph capturable", "pkv.engines.graph", cpu=True, fp8=True, options=GRAPH_OPTIONS),
+    "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores", "pkv.engines.flashinfer",
+                             fp8=True, baseline=True, options=("validate",)),
+    "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores",
+                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=("validate",)),
+    "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)",
+                                        "pkv.engines.flashinfer", options=("validate",)),
+    "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
+                              ablation=True, options=("validate",)),
+    "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes",
+                           "pkv.engines.adaptive", cpu=True),
+}
+
+
+def info(name: str) -> EngineInfo:
+    if name not in ENGINES:
+        raise ValueError(f"unknown engine {name!r}; choose from {sorted(ENGINES)}")
+    return ENGINES[name]
+
+
+def family(name: str) -> str:
+    return info(name).family
+
+
+def names(*families: str) -> tuple[str, ...]:
+    """Engine names of `families`, in table order (every family when none is given)."""
+    return tuple(n for n, e in ENGINES.items() if not families or e.family in families)
+
+
+def pkv_engines() -> dict[str, str]:
+    """The host-scheduled PersistentKV engines: name -> schedule kind."""
+    return {n: ENGINES[n].kind for n in names("pkv")}
+
+
+def pkv_kinds() -> dict[str, str]:
+    """The scheduled PersistentKV engines with a CPU task-list stand-in: name -> schedule kind."""
+    return {n: k for n, k in pkv_engines().items() if ENGINES[n].cpu}
+
+
+def flashinfer() -> tuple[str, ...]:
+    """Every FlashInfer variant we wrap."""
+    return names("flashinfer")
+
+
+def baselines() -> tuple[str, ...]:
+    """The FlashInfer variants a ratio takes the faster of."""
+    return tuple(n for n, e in ENGINES.items() if e.baseline)
+
+
+def pkv_routes() -> dict[str, str]:
+    """The router's PersistentKV routes: name -> schedule kind (the cost model's route key)."""
+    return {n: e.kind for n, e in ENGINES.items() if e.route}
+
+
+def fp8_readers() -> tuple[str, ...]:
+    return tuple(n for n, e in ENGINES.items() if e.fp8)
+
+
+def deployable() -> tuple[str, ...]:
+    """Every engine a serving engineer could choose (not the reference, not ablation-only)."""
+    return tuple(n for n, e in ENGINES.items() if e.family != "reference" and not e.ablation)
+
+
+def cpu_engines() -> tuple[str, ...]:
+    return tuple(n for n, e in ENGINES.items() if e.cpu)
+
+
+# One engine-spec syntax everywhere (config lists, --engines, Parquet labels):
+# "name" or "name:key=value,key=value", a value true, false or an integer.
+_VALUE = r"(true|false|-?[0-9]+)"
+
+
+def spec_pattern() -> str:
+    """The regular expression of a valid spec (the config schema's engine pattern)."""
+    alternatives = "|".join(re.escape(n) for n in sorted(ENGINES, key=len, reverse=True))
+    return rf"^({alternatives})(:[a-z_]+={_VALUE}(,[a-z_]+={_VALUE})*)?$"
+
+
+def parse_spec(spec: str) -> tuple[str, dict]:
+    """"pkv-masked:row_local=false,early_exit=false" -> ("pkv-masked", {"row_local": False, ...})."""
+    name, _, opts = spec.partition(":")
+    e = info(name)
+    options: dict = {}
+    for item in filter(None, opts.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not re.fullmatch(_VALUE, value):
+            raise ValueError(f"engine option {item!r} in {spec!r} must be key=true, key=false or key=<integer>")
+        if key not in e.options:
+            raise ValueError(f"engine {name!r} takes no option {key!r}; its options: {list(e.options) or 'none'}")
+        options[key] = {"true": True, "false": False}.get(value, None)
+        if options[key] is None:
+            options[key] = int(value)
+    return name, options
