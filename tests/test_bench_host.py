@@ -7,7 +7,8 @@ import pandas as pd
 import yaml
 
 from pkv.core import io
-from pkv.bench.host import markdown, nearest_point
+from pkv.bench.host import nearest_point
+from pkv.report.host import markdown
 from pkv.cli.main import main
 from pkv.plan.costmodel import Constants
 from pkv.config.resolve import effective, write_config

@@ -31,6 +31,7 @@ import pandas as pd
 import torch
 
 from pkv.core import io
+from pkv.report.host import BAR_FACTOR, BAR_US, markdown
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import Constants, Router
 from pkv.engines import make_engine, table
@@ -41,7 +42,6 @@ from pkv.plan.schedule import SplitPolicy
 
 BATCHES = (1, 8, 32, 128)
 SMOKE = {"batches": (1, 4), "min_len": 16, "max_len": 200, "steps": 4}
-BAR_FACTOR, BAR_US = 1.10, 10.0
 
 
 def nearest_point(k: Constants, batch: int) -> str:
@@ -188,46 +188,6 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
     return frame
 
 
-def _us(x) -> str:
-    return "" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}"
-
-
-def _route(r) -> str:
-    exact = getattr(r, "route_exact_us", math.nan)
-    return _us(r.route_us) + (f" ({_us(exact)})" if isinstance(exact, float) and not math.isnan(exact) else "")
-
-
-def markdown(frame: pd.DataFrame, meta: dict) -> str:
-    """results/tables/host_path.md from the Parquet's rows and metadata."""
-    lines = [
-        "# Host path per decode step",
-        "",
-        f"Command: `{meta.get('command', '')}`  ",
-        f"GPU: {meta.get('gpu', 'none')}, torch {meta.get('torch', '')}, FlashInfer {meta.get('flashinfer', '')}, "
-        f"commit {meta.get('git_commit', '')}, constants {meta.get('constants_hash', 'none')}  ",
-        "Medians over consecutive decode steps of one active set (each row one token longer a step), timed as "
-        "pkv.measure.loop times them: validation off, FlashInfer's per-step view built in the untimed pass. "
-        "prepare = the engine's per-step host work; launch = run() until it returns; wall = prepare + run + "
-        "synchronize; route = the router's decision (in brackets: the same decisions uncached, i.e. a cache miss). Raw plan() = FlashInfer's wrapper.plan() called directly on "
-        "the same prebuilt arrays; view = building those arrays for one step (off the timed path). "
-        f"Bar (issue 13): prepare <= {BAR_FACTOR:.2f} x raw plan() + {BAR_US:.0f} us.",
-        "",
-        "| batch | engine | route | prepare µs | launch µs | wall µs | route µs (uncached) | raw plan() µs | view µs | "
-        "prepare / raw | meets bar |",
-        "|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
-    for r in frame.itertuples():
-        if isinstance(r.error, str) and r.error:
-            lines.append(f"| {r.batch} | {r.engine} | not run: {r.error[:70]} | | | | | | | | |")
-            continue
-        ratio = r.prepare_us / r.raw_plan_us if r.raw_plan_us > 0 else math.nan   # NaN where no raw plan
-        bar = "" if pd.isna(r.meets_bar) else ("yes" if r.meets_bar else "**no**")
-        lines.append(f"| {r.batch} | {r.engine} | {r.route} | {_us(r.prepare_us)} | {_us(r.launch_us)} | "
-                     f"{_us(r.wall_us)} | {_route(r)} | {_us(r.raw_plan_us)} | {_us(r.view_us)} | "
-                     f"{'' if math.isnan(ratio) else f'{ratio:.2f}'} | {bar} |")
-    return "\n".join(lines) + "\n"
-
-
 def run_host(args) -> int:
     cfg = load_config(args.config)
     smoke = cfg["profile"] == "smoke"
@@ -247,8 +207,9 @@ def run_host(args) -> int:
     meta = {**io.provenance(io.file_hash(args.config), io.file_hash(args.constants) if args.constants else "none"),
             "command": command, "profile": cfg["profile"]}
     io.write_parquet(frame, args.out, meta)
-    io.atomic_write_text(args.table, markdown(pd.read_parquet(args.out), io.read_meta(args.out)))
-    print(f"wrote {args.out} and {args.table}")
+    if args.table:   # also rendered by `pkv report` (target tables/host_path.md)
+        io.atomic_write_text(args.table, markdown(pd.read_parquet(args.out), io.read_meta(args.out)))
+    print(f"wrote {args.out}" + (f" and {args.table}" if args.table else ""))
     return 0
 
 
@@ -265,10 +226,5 @@ def add_command(bench_sub) -> None:
     p.add_argument("--max-len", type=int, default=16384)
     p.add_argument("--seed", type=int, default=20260623)
     p.add_argument("--out", default="results/raw/host/host_path.parquet")
-    p.add_argument("--table", default="results/tables/host_path.md")
+    p.add_argument("--table", default="", help="also write the Markdown table here (it is a `pkv report` target)")
     p.set_defaults(func=run_host)
-
-
-def render(parquet: str | Path, table: str | Path) -> None:
-    """Re-render the table from its Parquet alone."""
-    io.atomic_write_text(table, markdown(pd.read_parquet(parquet), io.read_meta(parquet)))

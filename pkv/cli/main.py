@@ -26,7 +26,6 @@ COMMANDS = {
     "compare": ("pkv.cli.pipeline", "a run's tables beside the committed reference run's (ratios side by side)"),
     "nsight-parse": ("pkv.measure.nsight", "parse an ncu CSV capture into per-invocation Parquet (Table 5)"),
     "bench": ("pkv.bench.splits", "benchmarks"),
-    "report-router": ("pkv.report.router", "router regret table and estimate-vs-measurement figure from Parquet"),
 }
 COMMAND_MODULES = list(dict.fromkeys(module for module, _ in COMMANDS.values()))
 

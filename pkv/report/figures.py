@@ -181,10 +181,12 @@ class Figure:
 _DRAW = {"serving_ratios": serving_ratios, "latency_vs_context": latency_vs_context,
          "split_sensitivity": split_sensitivity, "launches_per_step": launches_per_step, "coverage": coverage,
          "nsight": nsight}
-FIGURES = {name: Figure(spec.stages, _DRAW[name], spec.required) for name, spec in FIGURE_SPECS.items()}
+FIGURES = {name: Figure(spec.stages, _DRAW[name], spec.required) for name, spec in FIGURE_SPECS.items() if not spec.render}
 
 
 def draw(name: str, frame: pd.DataFrame, smoke: bool) -> bytes:
-    """The PNG bytes of figure `name`."""
-    sns.set_theme(style="whitegrid", context="paper")
-    return FIGURES[name].draw(frame, smoke)
+    """The PNG bytes of figure `name`, in this module's theme (set for the call only: the
+    other figures of the same `pkv report` keep matplotlib's defaults)."""
+    with matplotlib.rc_context():
+        sns.set_theme(style="whitegrid", context="paper")
+        return FIGURES[name].draw(frame, smoke)

@@ -115,7 +115,7 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def figure(frame: pd.DataFrame, path: str | Path) -> None:
+def figure(frame: pd.DataFrame) -> bytes:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,7 +137,7 @@ def figure(frame: pd.DataFrame, path: str | Path) -> None:
     buf = _io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, metadata={"Software": None})
     plt.close(fig)
-    io.atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def main(argv=None) -> int:
@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     frame, meta = load(args.parquet)
     text = table(frame, meta)          # both built before either is written
-    figure(frame, args.figure)
+    png = figure(frame)
+    io.atomic_write_bytes(args.figure, png)
     io.atomic_write_text(args.table, text)
     print(f"wrote {args.table} and {args.figure}")
     return 0

@@ -168,7 +168,7 @@ def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
     return f"# {TITLE}\n\n{banner}{CAPTION}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
 
 
-def plot_model_step(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
+def plot_model_step(frame: pd.DataFrame, smoke: bool) -> bytes:
     """Serial wall and device time per step over the step's KV tokens, per engine; one column per model."""
     import matplotlib
 
@@ -214,7 +214,7 @@ def plot_model_step(frame: pd.DataFrame, smoke: bool, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def write_targets(root: Path, targets: list[Path]) -> list[Path]:
@@ -225,7 +225,7 @@ def write_targets(root: Path, targets: list[Path]) -> list[Path]:
         if t.suffix == ".md":
             atomic_write_text(t, render_md(frame, metas))
         elif t.suffix == ".png":
-            plot_model_step(frame, smoke, t)
+            atomic_write_bytes(t, plot_model_step(frame, smoke))
         else:
             raise ValueError(f"unknown model-step report target {t}; write a .md table or a .png figure")
     return targets

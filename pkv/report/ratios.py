@@ -11,10 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from pkv.core.families import FAMILIES
 from pkv.engines import table
 
 TIMINGS = {"wall": "wall_s", "cuda": "cuda_s", "graph": "graph_s"}
-FAMILY_ORDER = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf", "external")
+FAMILY_ORDER = (*FAMILIES, "external")
 
 
 def baselines(frame: pd.DataFrame) -> list[str]:

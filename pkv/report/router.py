@@ -1,4 +1,5 @@
-"""`pkv report-router RESULTS_DIR`: is the router right, and does it pay for itself?
+"""The router report (`pkv report --target tables/router_regret.md`, `figures/router_accuracy.png`):
+is the router right, and does it pay for itself?
 
 Two outputs, from the Parquet under RESULTS_DIR/raw and the frozen constants:
 
@@ -154,8 +155,8 @@ COLORS = {"calibration seed (fixed route)": "tab:gray", "held-out (fixed route)"
           "held-out (router's estimate, route taken)": "tab:red"}
 
 
-def accuracy_figure(points: pd.DataFrame, smoke: bool, path: Path) -> None:
-    routes = [r for r in (*baselines(), *pkv_routes()) if r in set(points["route"])]
+def accuracy_figure(points: pd.DataFrame, smoke: bool) -> bytes:
+    routes = [r for r in (*baselines(), *sorted(pkv_routes())) if r in set(points["route"])]
     routes += sorted(set(points["route"]) - set(routes))
     ncols = min(2, max(1, len(routes)))
     nrows = max(1, -(-len(routes) // ncols))
@@ -199,58 +200,39 @@ def accuracy_figure(points: pd.DataFrame, smoke: bool, path: Path) -> None:
     buf = _io.BytesIO()
     fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
-def build(root: Path, out: Path | None = None, constants: Path | None = None,
-          only: tuple[str, ...] = ("table", "figure")) -> list[Path]:
-    """Write router_regret.md and/or router_accuracy.png under `out` (default: `root`)."""
+def regret_md(root: Path, constants: Path | None = None) -> str:
+    """tables/router_regret.md of the results folder `root`."""
     root = Path(root)
-    out = Path(out) if out else root
     k = Constants.load(constants or root / "calibration" / "constants.json")
     serve = load(root, ("serve",))
-    written = []
-    if "table" in only:
-        md = out / "tables" / "router_regret.md"
-        atomic_write_text(md, regret_markdown(regret(serve.frame, k), serve.smoke))
-        written.append(md)
-    if "figure" not in only:
-        return written
+    return regret_markdown(regret(serve.frame, k), serve.smoke)
+
+
+def accuracy_png(root: Path, constants: Path | None = None) -> bytes:
+    """figures/router_accuracy.png of the results folder `root`."""
+    root = Path(root)
+    k = Constants.load(constants or root / "calibration" / "constants.json")
+    serve = load(root, ("serve",))
     shape = shape_of(load_config(root / "config.json"))
     calib = load(root, ("calibrate",), required=False)
     frames = [f for f in (calib.frame, serve.frame) if not f.empty]
     points = pd.concat([estimates(pd.concat(frames, ignore_index=True), k, shape.kv_bytes_per_token,
                                   shape.num_kv_heads), chosen(serve.frame)], ignore_index=True)
-    png = out / "figures" / "router_accuracy.png"
-    accuracy_figure(points, serve.smoke, png)
-    return [*written, png]
+    return accuracy_figure(points, serve.smoke)
 
 
-def run(args) -> int:
-    """`pkv report-router RESULTS_DIR` writes both outputs; `--target FILE` (as the rules
-    call it) writes that one, RESULTS_DIR being the folder two levels above FILE."""
-    if args.target:
-        target = Path(args.target)
-        if target.name not in ("router_regret.md", "router_accuracy.png"):
-            raise ValueError(f"--target must be tables/router_regret.md or figures/router_accuracy.png, got {target}")
-        root = Path(args.results_dir) if args.results_dir else target.parents[1]
-        only = ("table",) if target.suffix == ".md" else ("figure",)
-        out = target.parents[1]
-    elif args.results_dir:
-        root, only, out = Path(args.results_dir), ("table", "figure"), Path(args.out) if args.out else None
-    else:
-        raise ValueError("pkv report-router needs RESULTS_DIR or --target")
-    for path in build(root, out, Path(args.constants) if args.constants else None, only):
-        print(f"wrote {path}")
-    return 0
-
-
-def add_commands(sub) -> None:
-    p = sub.add_parser("report-router", help="router regret table and estimate-vs-measurement figure from Parquet")
-    p.add_argument("results_dir", nargs="?", default="",
-                   help="a results folder (raw/serve, raw/calibrate, calibration/, config.json)")
-    p.add_argument("--target", default="", help="write only this file: RESULTS/tables/router_regret.md or "
-                                                "RESULTS/figures/router_accuracy.png")
-    p.add_argument("--out", default="", help="with RESULTS_DIR: write tables/ and figures/ here (default: RESULTS_DIR)")
-    p.add_argument("--constants", default="", help="constants.json to estimate with (default: the folder's own)")
-    p.set_defaults(func=run)
+def build(root: Path, out: Path | None = None, constants: Path | None = None,
+          only: tuple[str, ...] = ("table", "figure")) -> list[Path]:
+    """Write router_regret.md and/or router_accuracy.png under `out` (default: `root`)."""
+    out = Path(out) if out else Path(root)
+    written = []
+    if "table" in only:
+        written.append(out / "tables" / "router_regret.md")
+        atomic_write_text(written[-1], regret_md(root, constants))
+    if "figure" in only:
+        written.append(out / "figures" / "router_accuracy.png")
+        atomic_write_bytes(written[-1], accuracy_png(root, constants))
+    return written

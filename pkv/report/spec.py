@@ -1,8 +1,11 @@
 """What the report makes: every table and figure, the stages each reads, its caption.
 
 Pure data, no pandas: the Snakefile reads it at parse time to make one rule per table and
-figure (with `report()` captions), and pkv.report.tables / pkv.report.figures attach the
-functions that build them.
+figure (with `report()` captions; workflow/rules/report.smk), and pkv.report.tables
+builds each: a stage table from its frame builder (pkv.report.tables.BUILDERS), a figure
+from pkv.report.figures, or, where `render` names one, from that function of
+pkv.report.artifacts (results folder -> bytes). A new table is one entry here plus its
+builder.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ class TableSpec:
     keys: tuple[str, ...]          # the columns that name a row (the comparison joins on them)
     latex: bool = False
     required: bool = True          # False: written (saying so) when the stage has no Parquet
+    render: str = ""               # a pkv.report.artifacts function (root -> bytes) instead of a frame builder
+    profiles: tuple[str, ...] = ("paper", "smoke")   # the profiles that measure its stages
+    in_all: bool = True            # part of `snakemake all` (False: a named target only)
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,9 @@ class FigureSpec:
     caption: str
     stages: tuple[str, ...]
     required: bool = True
+    render: str = ""
+    profiles: tuple[str, ...] = ("paper", "smoke")
+    in_all: bool = True
 
 
 TABLE_SPECS = {
@@ -63,6 +72,34 @@ TABLE_SPECS = {
                            ("Engine",)),
     "external": TableSpec("External request trace (Azure LLM inference 2023, conversation)",
                           "Ratios over the faster FlashInfer variant.", ("external",), ("Engine",)),
+    "kernels": TableSpec("Decode kernels, device time",
+                         "pkv-graph against FlashInfer's CUDA-core, tensor-core and persistent decode over batch x "
+                         "context, ragged mixes and GQA group x head_dim; the table also states the kernel issue's "
+                         "bars as measured.", ("kernels",), (), render="kernels_md", profiles=("paper",)),
+    "fp8_kernels": TableSpec("FP8 (e4m3) KV cache, decode kernels",
+                             "pkv-graph over an FP8 cache against FlashInfer's FP8 and 16-bit decode and pkv-graph's "
+                             "16-bit decode, device time, with the FP8 issue's bars as measured.", ("fp8_kernels",), (),
+                             render="fp8_kernels_md", profiles=("paper",), in_all=False),
+    "fp8_accuracy": TableSpec("FP8 (e4m3) KV cache, accuracy",
+                              "Error against the FP32 reference on the original 16-bit values per scale policy and "
+                              "engine, random and outlier-channel caches.", ("fp8_accuracy",), (),
+                              render="fp8_accuracy_md", profiles=("paper",), in_all=False),
+    "fp8_serving": TableSpec("FP8 KV serving ablation",
+                             "One held-out trace per seed from a 16-bit and an e4m3 cache, device and wall time per "
+                             "step and throughput ratios over FlashInfer.", ("kv_fp8",), (), render="fp8_serving_md",
+                             profiles=("paper",), in_all=False),
+    "host_path": TableSpec("Host path per decode step",
+                           "Prepare, run launch and route µs per engine and batch, beside FlashInfer's raw plan() on "
+                           "the same arrays.", ("host",), (), render="host_path_md", in_all=False),
+    "router_regret": TableSpec("Router regret",
+                               "Per serving trace, the adaptive route's wall and device time against the best fixed "
+                               "route in hindsight.", ("serve", "calibration"), (), render="router_regret_md",
+                               in_all=False),
+    "model_step": TableSpec("Model-level decode step",
+                            "N decoder layers, one CUDA graph per batch bucket; pkv-graph (no host plan) against "
+                            "FlashInfer's CUDA-graph path (plan() on the host each step), FlashInfer eager and the "
+                            "adaptive route; serial wall, device time and pipelined throughput per step.",
+                            ("model_step",), (), render="model_step_md", in_all=False),
 }
 
 FIGURE_SPECS = {
@@ -79,6 +116,13 @@ FIGURE_SPECS = {
                            ("serve", "gqa_sweep")),
     "nsight": FigureSpec("Nsight Compute: time and DRAM read bandwidth per kernel against the read roofline.",
                          ("nsight_kernels",), required=False),
+    "kernel_ratio": FigureSpec("Faster FlashInfer decode ÷ pkv-graph, device time, over (batch, context).",
+                               ("kernels",), render="kernel_ratio_png", profiles=("paper",)),
+    "router_accuracy": FigureSpec("Router accuracy: the cost model's estimate against the measured time per route, "
+                                  "one panel per route.", ("serve", "calibration"), render="router_accuracy_png",
+                                  in_all=False),
+    "model_step": FigureSpec("Model-level decode step time over context length, per engine, one panel per model "
+                             "shape.", ("model_step",), render="model_step_png", in_all=False),
 }
 
 # Stages measured once per held-out seed: a table over them flags any seed that is missing.

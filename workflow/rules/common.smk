@@ -7,12 +7,19 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
 
-from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, ConfigError, check_config, coerce, differences,
-                                effective, gpu_name, load_schema, resolve_profile, run_root, validate_config)
-from pkv.core.traces import FAMILIES
+from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, check_frozen, check_runnable, coerce,
+                                command_line_overrides, effective, gpu_name, load_schema, lock_folder,
+                                read_config_file, resolve_profile, run_root, validate_config, writes_results)
+from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
 SCHEMA = load_schema(Path(workflow.basedir) / "workflow/schemas/config.schema.yaml")
+# Snakemake's YAML loader keeps the last of a key given twice: read config.yaml and every
+# --configfile again, refusing that (file and line). What the command line sets wins over
+# the profile's section too (effective()).
+read_config_file(Path(workflow.basedir) / "config.yaml")
+OVERRIDES = command_line_overrides(workflow.config_settings.config, workflow.config_settings.configfiles,
+                                   Path(workflow.basedir) / "config.yaml", SCHEMA)
 # `--config key={a: 4}` reaches us untyped ("4"): give it the schema's types first. Then
 # one line per bad value, naming the key (unknown keys are refused at every level).
 coerce(config, SCHEMA)
@@ -21,7 +28,7 @@ validate_config(config, SCHEMA)
 # nvidia-smi (not torch) says whether this machine has a GPU, and which.
 GPU = gpu_name() if config["profile"] == "auto" or (config["profile"] == "paper" and config["run"] == "auto") else None
 PROFILE = resolve_profile(config["profile"], GPU is not None)
-C = effective(config, PROFILE)
+C = effective(config, PROFILE, OVERRIDES)
 validate_config(C, SCHEMA, f"config ({PROFILE} profile)")
 check_config(C)
 ROOT = run_root(PROFILE, config["run"], GPU)
@@ -31,12 +38,13 @@ REFERENCE = ROOT == REFERENCE_ROOT
 HELDOUT = [str(s) for s in C["seeds"]["heldout"]]
 ABLATION_SEED = str(C["seeds"]["ablation"])
 
-if REFERENCE and Path(ROOT, "config.json").is_file():
-    _diff = differences(json.loads(Path(ROOT, "config.json").read_text()), C)
-    if _diff:
-        raise ConfigError(f"{ROOT}/config.json: this config differs from the committed reference run's in "
-                          f"{', '.join(_diff[:6])}{' ...' if len(_diff) > 6 else ''}; a changed config is a new run: "
-                          "name it with --config run=NAME (it goes to results/runs/NAME/)")
+# A folder's frozen config.json must be what this config resolves to (never a hand-edited
+# one, never an older config's); a plan that cannot run fails here, before any job; and
+# a second run writing the same folder is refused at once.
+check_frozen(ROOT, C, REFERENCE)
+check_runnable(C, GPU, REFERENCE, config["run"])
+if workflow.is_main_process:
+    lock_folder(ROOT, hold=writes_results(sys.argv[1:]))
 
 if PROFILE == "smoke":
     banner = "*" * 78
@@ -117,6 +125,18 @@ def stage_outputs(stage):
         return model_step_outputs()
     if stage == "nsight_kernels":
         return list(rules.parse_nsight.output) if C["nsight"] else []
+    if stage == "calibration":
+        return [rules.freeze_config.output.config, *rules.calibrate_device.output]
+    if stage == "kernels":
+        return [rules.bench_kernels.output.parquet]
+    if stage == "fp8_kernels":
+        return [rules.bench_fp8_kernels.output.parquet]
+    if stage == "fp8_accuracy":
+        return [rules.bench_fp8_accuracy.output.parquet]
+    if stage == "kv_fp8":
+        return expand(rules.measure_kv_fp8.output.parquet, seed=HELDOUT)
+    if stage == "host":
+        return [rules.bench_host.output.parquet]
     raise ValueError(f"unknown stage {stage!r}")
 
 
@@ -137,16 +157,19 @@ def figure_inputs(name):
 
 def comparison_inputs():
     """Every stage file of this run (the comparison reads all of them)."""
-    stages = dict.fromkeys(s for spec in TABLE_SPECS.values() for s in spec.stages)
+    stages = dict.fromkeys(s for spec in TABLE_SPECS.values() if not spec.render for s in spec.stages)
     return inputs([f for s in stages for f in stage_outputs(s)])
 
 
 def final_outputs():
-    """Every table and figure (the report rules' outputs), the Nsight capture when enabled,
-    and for a paper run of your own, its comparison with the reference run."""
-    tables = [getattr(rules, f"report_{n}").output.md for n in TABLE_SPECS]
-    tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLE_SPECS.items() if t.latex]
-    figures = [getattr(rules, f"plot_{n}").output.png for n in FIGURE_SPECS]
+    """Every table and figure of this profile that is part of `all` (pkv.report.spec), the
+    Nsight capture when enabled, and for a paper run of your own, its comparison with the
+    reference run."""
+    def wanted(spec):
+        return spec.in_all and PROFILE in spec.profiles
+
+    tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if wanted(t)]
+    tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLE_SPECS.items() if t.latex and wanted(t)]
+    figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if wanted(f)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
-    kernels = list(rules.report_kernels.output) if PROFILE == "paper" else []   # GPU kernels: no smoke version
-    return tables + figures + stage_outputs("nsight_kernels") + comparison + kernels
+    return tables + figures + stage_outputs("nsight_kernels") + comparison

@@ -18,7 +18,7 @@ rule bench_fp8_kernels:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli bench kernels --suites fp8 --engines pkv-graph flashinfer flashinfer-tc "
-        "--out {output.parquet} > {log} 2>&1"
+        "--out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule bench_fp8_accuracy:
@@ -33,7 +33,7 @@ rule bench_fp8_accuracy:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli bench fp8-accuracy --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli bench fp8-accuracy --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule measure_kv_fp8:
@@ -53,38 +53,5 @@ rule measure_kv_fp8:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure kv-fp8 --config {input.config} --constants {input.constants} "
-        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
-
-
-FP8_TABLES = {
-    "fp8_kernels": ("kernels", lambda wc: [inp(rules.bench_fp8_kernels.output.parquet)],
-                    "FP8 (e4m3) KV cache, decode kernels: pkv-graph over an FP8 cache against FlashInfer's FP8 and "
-                    "16-bit decode and pkv-graph's 16-bit decode, device time, with the FP8 issue's bars as measured."),
-    "fp8_accuracy": ("accuracy", lambda wc: [inp(rules.bench_fp8_accuracy.output.parquet)],
-                     "FP8 (e4m3) KV cache, accuracy: error against the FP32 reference on the original 16-bit "
-                     "values per scale policy and engine, random and outlier-channel caches."),
-    "fp8_serving": ("serving", lambda wc: inputs(expand(rules.measure_kv_fp8.output.parquet, seed=HELDOUT)),
-                    "FP8 KV serving ablation: one held-out trace per seed from a 16-bit and an e4m3 cache, "
-                    "device and wall time per step and throughput ratios over FlashInfer."),
-}
-
-
-rule report_fp8:
-    localrule: True
-    input:
-        lambda wc: FP8_TABLES[wc.name][1](wc),
-    output:
-        table=report(out("tables/{name}.md"), caption=CAPTION, category="Tables",
-                     labels={"table": "{name}", "format": "Markdown"}),
-    wildcard_constraints:
-        name="|".join(FP8_TABLES),
-    params:
-        kind=lambda wc: FP8_TABLES[wc.name][0],
-        caption=lambda wc: FP8_TABLES[wc.name][2],
-    log:
-        out("logs/fp8/{name}.log"),
-    conda:
-        "../../envs/pkv.yaml"
-    shell:
-        "python3 -m pkv.report.fp8 {params.kind} {input} --table {output.table} > {log} 2>&1"
+        "python3 -m pkv.cli measure kv-fp8 --config {input.config:q} --constants {input.constants:q} "
+        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"

@@ -27,8 +27,8 @@ rule model_step:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.measure.model_step --config {input.config} --constants {input.constants} "
-        "--families {params.families} --seeds {wildcards.seed} --budget-s 1e9 --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.measure.model_step --config {input.config:q} --constants {input.constants:q} "
+        "--families {params.families:q} --seeds {wildcards.seed:q} --budget-s 1e9 --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule model_step_external:
@@ -47,44 +47,5 @@ rule model_step_external:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.measure.model_step --config {input.config} --constants {input.constants} "
-        "--families azure --budget-s 1e9 --out {output.parquet} > {log} 2>&1"
-
-
-# Table and figure: named targets (`snakemake --cores 1 results/tables/model_step.md`), not
-# yet part of `all`: the committed reference run holds the model step of fewer seeds than
-# the fan-out names (results/README.md says which).
-rule report_model_step:
-    input:
-        inputs(model_step_outputs()),
-    output:
-        md=report(out("tables/model_step.md"), caption=CAPTION, category="Tables",
-                  labels={"table": "model_step", "format": "Markdown"}),
-    params:
-        caption="Model-level decode step: N decoder layers, one CUDA graph per batch bucket; pkv-graph (no host "
-        "plan) against FlashInfer's CUDA-graph path (plan() on the host each step), FlashInfer eager and the "
-        "adaptive route; serial wall, device time and pipelined throughput per step.",
-    localrule: True
-    conda:
-        "../../envs/pkv.yaml"
-    log:
-        out("logs/report/model_step.md.log"),
-    shell:
-        "python3 -m pkv.report.model --target {output.md} > {log} 2>&1"
-
-
-rule plot_model_step:
-    input:
-        inputs(model_step_outputs()),
-    output:
-        png=report(out("figures/model_step.png"), caption=CAPTION, category="Figures",
-                   labels={"figure": "model_step"}),
-    params:
-        caption="Model-level decode step time over context length, per engine, one panel per model shape.",
-    localrule: True
-    conda:
-        "../../envs/pkv.yaml"
-    log:
-        out("logs/report/model_step.png.log"),
-    shell:
-        "python3 -m pkv.report.model --target {output.png} > {log} 2>&1"
+        "python3 -m pkv.measure.model_step --config {input.config:q} --constants {input.constants:q} "
+        "--families azure --budget-s 1e9 --out {output.parquet:q} > {log:q} 2>&1"

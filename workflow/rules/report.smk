@@ -22,7 +22,7 @@ for _name, _table in TABLE_SPECS.items():
         log:
             out(f"logs/report/{_name}.md.log"),
         shell:
-            "python3 -m pkv.cli report --target {output.md} > {log} 2>&1"
+            "python3 -m pkv.cli report --target {output.md:q} > {log:q} 2>&1"
 
     if _table.latex:
 
@@ -41,7 +41,7 @@ for _name, _table in TABLE_SPECS.items():
             log:
                 out(f"logs/report/{_name}.tex.log"),
             shell:
-                "python3 -m pkv.cli report --target {output.tex} > {log} 2>&1"
+                "python3 -m pkv.cli report --target {output.tex:q} > {log:q} 2>&1"
 
 
 for _name, _figure in FIGURE_SPECS.items():
@@ -61,7 +61,7 @@ for _name, _figure in FIGURE_SPECS.items():
         log:
             out(f"logs/report/{_name}.png.log"),
         shell:
-            "python3 -m pkv.cli report --target {output.png} > {log} 2>&1"
+            "python3 -m pkv.cli report --target {output.png:q} > {log:q} 2>&1"
 
 
 rule compare_reference:
@@ -78,4 +78,4 @@ rule compare_reference:
     log:
         out("logs/report/comparison.md.log"),
     shell:
-        "python3 -m pkv.cli compare --reference $(dirname {input.reference}) --out {output.md} > {log} 2>&1"
+        "python3 -m pkv.cli compare --reference $(dirname {input.reference:q}) --out {output.md:q} > {log:q} 2>&1"
