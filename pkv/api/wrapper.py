@@ -1,0 +1,95 @@
+"""`DecodeWrapper`: what a serving engine keeps per batch bucket (one per padded batch size).
+
+Sized once: the workspace (partial states, merge counters, row ids) and one int32
+metadata buffer [seq_lens | block_table] at fixed addresses. Each step, `update()` writes
+the step's lengths and block table into that buffer once (one host-to-device copy, or
+device-to-device copies for tensors already on the GPU); every layer then calls
+`run(q, kv_layer)` with its own KV tensor, and every layer reads the same metadata. Nothing
+in `run()` allocates (with `out=`), syncs or plans on the host, so a whole model step of
+`run()` calls is captured in one CUDA graph and replayed after each `update()`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pkv.api.decode import _check_reading, run_op
+from pkv.api.layouts import LAYOUTS, kv_view
+from pkv.api.op import QUERY_DTYPES, make_workspace
+from pkv.core.shape import Shape
+from pkv.engines.common import PinnedStaging
+from pkv.engines.graph import check_graph_shape
+
+
+class DecodeWrapper:
+    """Decode for steps of up to `max_batch` rows, each with up to `max_pages` pages."""
+
+    def __init__(self, max_batch: int, max_pages: int, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                 page_size: int, layout: str = "HND", dtype: torch.dtype = torch.float16, kv_fp8: bool = False,
+                 device: torch.device | str = "cuda"):
+        if dtype not in QUERY_DTYPES:
+            raise ValueError(f"pkv decode: queries are float16 or bfloat16, got {dtype}")
+        if not (isinstance(max_pages, int) and max_pages >= 1):
+            raise ValueError(f"pkv decode: max_pages must be a positive integer, got {max_pages!r}")
+        self.shape = Shape(num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                           page_size=page_size, dtype=QUERY_DTYPES[dtype], kv_dtype="fp8" if kv_fp8 else "auto")
+        check_graph_shape(self.shape)
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        self.layout, self.max_batch, self.max_pages = layout, max_batch, max_pages
+        self.device = torch.device(device)
+        self.workspace = make_workspace(max_batch, num_qo_heads, num_kv_heads, head_dim, self.device)
+        self.meta = torch.zeros(max_batch * (1 + max_pages), dtype=torch.int32, device=self.device)
+        self.seq_lens = self.meta[:max_batch]
+        self.block_table = self.meta[max_batch:].view(max_batch, max_pages)
+        self._staging = PinnedStaging(self.device, capacity=self.meta.numel())
+        self._host = np.zeros((max_batch, max_pages), dtype=np.int32)
+
+    def update(self, block_table, seq_lens) -> None:
+        """The step's metadata for every layer: block_table [b, w] (w <= max_pages) and seq_lens [b]
+        (b <= max_batch; rows b.. become padding). Tensors on the wrapper's device are copied there;
+        host arrays are checked and uploaded in one copy."""
+        on_device = all(isinstance(t, torch.Tensor) and t.device == self.device for t in (block_table, seq_lens))
+        if on_device:
+            if block_table.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
+                raise ValueError("pkv decode: block_table and seq_lens must be integer tensors")
+        else:
+            block_table = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
+            seq_lens = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
+        b = seq_lens.shape[0] if seq_lens.ndim == 1 else -1
+        if not 0 <= b <= self.max_batch or block_table.ndim != 2 or block_table.shape[0] != b \
+                or block_table.shape[1] > self.max_pages:
+            raise ValueError(f"pkv decode: a step of this wrapper is seq_lens [b <= {self.max_batch}] and block_table "
+                             f"[b, <= {self.max_pages}], got {list(seq_lens.shape)} and {list(block_table.shape)}")
+        w = block_table.shape[1]
+        if on_device:
+            self.seq_lens[:b].copy_(seq_lens)
+            self.seq_lens[b:].zero_()
+            self.block_table[:b, :w].copy_(block_table)
+            return
+        if not np.issubdtype(seq_lens.dtype, np.integer) or not np.issubdtype(block_table.dtype, np.integer):
+            raise ValueError("pkv decode: block_table and seq_lens must be integers")
+        if b and ((seq_lens < 0).any() or (seq_lens > w * self.shape.page_size).any()):
+            raise ValueError(f"pkv decode: seq_lens must be in 0..{w * self.shape.page_size} "
+                             f"(block_table width x page size), got {seq_lens.min()}..{seq_lens.max()}")
+        host = self._host[:b]
+        host[:, :w] = block_table
+        lens = np.zeros(self.max_batch, dtype=np.int32)
+        lens[:b] = seq_lens
+        self._staging.upload([lens, host.ravel()], out=self.meta)
+
+    def run(self, q: torch.Tensor, kv_layer, *, out: torch.Tensor | None = None, return_lse: bool = False,
+            sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale: float | None = None,
+            v_scale: float | None = None):
+        """One layer's decode over its own KV (a tensor or (K, V) pair in the wrapper's layout), with the
+        metadata of the last update(); q has up to max_batch rows. Same options and result as pkv.api.decode."""
+        view = kv_view(kv_layer, self.layout)
+        _check_reading(view, self.layout, self.shape.num_kv_heads, self.shape.page_size)
+        rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
+        if not 1 <= rows <= self.max_batch:
+            raise ValueError(f"pkv decode: this wrapper takes q [1..{self.max_batch}, {self.shape.num_qo_heads}, "
+                             f"{self.shape.head_dim}], got {list(getattr(q, 'shape', []))}")
+        return run_op(q, view, self.block_table[:rows], self.seq_lens[:rows], self.workspace, sm_scale=sm_scale,
+                      logits_soft_cap=logits_soft_cap, out=out, return_lse=return_lse, k_scale=k_scale,
+                      v_scale=v_scale)

@@ -1,0 +1,185 @@
+"""The public decode API (pkv.api) on the GPU against the FP32 reference (needs a GPU).
+
+Every layout is read in place through strided views (separate K and V allocations too),
+options (scale, soft cap, LSE, out=, FP8 scales per call) on both the direct-write and
+the merged paths (short and long rows), and the serving shape: one wrapper, 4 layers
+with their own vLLM-layout KV, one CUDA graph replayed over a ragged trace. Outputs are
+poisoned with NaN first; rows of length 0 must stay untouched. (The CPU twin is
+tests/test_api.py; this file has its own basename so both collect.)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pkv.api import DecodeWrapper, decode
+from pkv.core.fp8 import quantize
+from pkv.kernels.reference import attention_reference
+from test_kernels import TOL, check, seed_of
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+K = 1024
+LENS = [1, 17, 0, 300, 9 * K + 5, 40 * K]   # direct rows, a padding row, and rows the kernel splits and merges
+LSE_TOL = 2e-3
+
+
+def in_layout(kv, layout, pair):
+    """Our kv [pages, 2, Hkv, P, D] as a fresh tensor (or K, V pair) of `layout`."""
+    t = {"HND": kv, "NHD": kv.transpose(2, 3), "vllm": kv.transpose(2, 3).transpose(0, 1)}[layout].contiguous()
+    if not pair:
+        return t
+    return (t[0], t[1]) if layout == "vllm" else (t[:, 0].contiguous(), t[:, 1].contiguous())
+
+
+def make(lens, hq=32, hkv=8, d=128, p=16, dtype=torch.float16, seed=0):
+    """kv (ours), a block table of shuffled pages, seq_lens and q, all on the GPU."""
+    rng = np.random.default_rng(seed)
+    need = [-(-n // p) for n in lens]
+    width, pages = max(max(need), 1), sum(need) + 3
+    perm = rng.permutation(pages)
+    table = np.zeros((len(lens), width), dtype=np.int32)
+    at = 0
+    for i, n in enumerate(need):
+        table[i, :n] = perm[at:at + n]
+        at += n
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    kv = torch.randn(pages, 2, hkv, p, d, generator=gen, device="cuda").to(dtype)
+    q = torch.randn(len(lens), hq, d, generator=gen, device="cuda").to(dtype)
+    return kv, torch.as_tensor(table, device="cuda"), torch.tensor(lens, dtype=torch.int32, device="cuda"), q
+
+
+def compare(out, ref, lens, dtype, what, lse=None, ref_lse=None):
+    rows = torch.as_tensor(np.asarray(lens) > 0, device=out.device)
+    check(out[rows], ref[rows], dtype, what)
+    assert torch.isnan(out[~rows]).all(), f"{what}: a padding row was written"
+    if lse is not None:
+        err = (lse[rows] - ref_lse[rows]).abs().max().item()
+        assert err < LSE_TOL, f"{what}: lse max|e| {err:.2e}"
+
+
+def poisoned(q):
+    return torch.full_like(q, float("nan"))
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["tensor", "pair"])
+@pytest.mark.parametrize("layout", ["HND", "NHD", "vllm"])
+def test_every_layout(layout, pair):
+    kv, table, lens, q = make(LENS, seed=seed_of("api-layout", layout, pair))
+    out = decode(q, in_layout(kv, layout, pair), table, lens, layout=layout, out=poisoned(q))
+    compare(out, attention_reference(q, kv, table, lens.cpu()), LENS, "float16", f"{layout} {pair}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("sm_scale,cap", [(None, None), (0.05, None), (None, 2.0), (0.3, 30.0)])
+def test_scale_cap_lse_out(dtype, sm_scale, cap):
+    dt = getattr(torch, dtype)
+    kv, table, lens, q = make(LENS, dtype=dt, seed=seed_of("api-options", dtype, sm_scale, cap))
+    out = poisoned(q)
+    res, lse = decode(q, in_layout(kv, "NHD", False), table, lens, layout="NHD", sm_scale=sm_scale,
+                      logits_soft_cap=cap, out=out, return_lse=True)
+    assert res is out
+    ref, ref_lse = attention_reference(q, kv, table, lens.cpu(), sm_scale=sm_scale, soft_cap=cap or 0.0,
+                                       return_lse=True)
+    compare(out, ref, LENS, dtype, f"{dtype} scale {sm_scale} cap {cap}", lse, ref_lse)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fp8_scales_per_call(layout):
+    kv, table, lens, q = make(LENS, d=128, seed=seed_of("api-fp8", layout))
+    kv8, scales = quantize(kv, "tensor")
+    for factor in (1.0, 2.0):   # the same bytes read with other scales: the scales are per call
+        ks, vs = scales.k_scale * factor, scales.v_scale / factor
+        values = kv8.float() * torch.tensor([ks, vs], device="cuda").view(1, 2, 1, 1, 1)
+        out, lse = decode(q, in_layout(kv8, layout, True), table, lens, layout=layout, k_scale=ks, v_scale=vs,
+                          out=poisoned(q), return_lse=True)
+        ref, ref_lse = attention_reference(q, values, table, lens.cpu(), return_lse=True)
+        compare(out, ref, LENS, "float16", f"fp8 {layout} x{factor}", lse, ref_lse)
+
+
+@pytest.mark.parametrize("head_dim,group,page", [(64, 8, 16), (64, 1, 1), (256, 2, 16), (128, 16, 64), (128, 5, 32)])
+def test_head_dims_groups_pages(head_dim, group, page):
+    kv, table, lens, q = make(LENS, hq=2 * group, hkv=2, d=head_dim, p=page, dtype=torch.bfloat16,
+                              seed=seed_of("api-dims", head_dim, group, page))
+    out = decode(q, in_layout(kv, "vllm", False), table, lens, layout="vllm", out=poisoned(q), logits_soft_cap=10.0)
+    ref = attention_reference(q, kv, table, lens.cpu(), soft_cap=10.0)
+    compare(out, ref, LENS, "bfloat16", f"d{head_dim} G{group} P{page}")
+
+
+def test_serving_step_in_one_cuda_graph():
+    """One wrapper (bucket 8), 4 layers with their own KV in vLLM's layout, one update per step,
+    one captured graph of the 4 layers' decode, replayed over a ragged trace."""
+    layers, bucket, hkv, d, p, hq = 4, 8, 4, 128, 16, 16
+    rng = np.random.default_rng(seed_of("api-serving"))
+    num_pages, width = 1400, 12 * K // p
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    kvs = [torch.randn(2, num_pages, p, hkv, d, generator=gen, device="cuda").half() for _ in range(layers)]
+    ours = [kv.transpose(0, 1).transpose(2, 3) for kv in kvs]   # [pages, 2, Hkv, P, D] views for the reference
+    wrapper = DecodeWrapper(bucket, width, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=p, layout="vllm",
+                            device="cuda")
+    qs = torch.randn(layers, bucket, hq, d, generator=gen, device="cuda").half()
+    outs = torch.empty_like(qs)
+
+    def step_body():
+        for i in range(layers):
+            wrapper.run(qs[i], kvs[i], out=outs[i])
+        return wrapper.run(qs[1], kvs[1], out=outs[1], return_lse=True)[1]   # an LSE allocated in the graph too
+
+    def trace_step(t):
+        b = 1 if t == 2 else bucket if t == 4 else int(rng.integers(1, bucket + 1))
+        lens = rng.integers(1, 12 * K, size=b)
+        if t % 3 == 0:
+            lens = rng.choice([1, 15, 16, 17, 33, 1024, 1025, 12 * K], size=b)
+        table = np.stack([rng.choice(num_pages, size=width, replace=False) for _ in range(b)]).astype(np.int32)
+        return lens.astype(np.int32), table
+
+    lens, table = trace_step(0)
+    wrapper.update(table, lens)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step_body()   # warm-up (loads the kernels) off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        lse_out = step_body()
+    for t in range(10):
+        lens, table = trace_step(t)
+        wrapper.update(table, lens)   # the step's one metadata upload, for every layer
+        qs.copy_(torch.randn(layers, bucket, hq, d, generator=gen, device="cuda").half())
+        outs.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        b = len(lens)
+        bt, sl = torch.as_tensor(table, device="cuda"), torch.as_tensor(lens)
+        for i in range(layers):
+            ref, ref_lse = attention_reference(qs[i, :b], ours[i], bt, sl, return_lse=True)
+            check(outs[i, :b], ref, "float16", f"step {t} layer {i}")
+            assert torch.isnan(outs[i, b:]).all(), f"step {t} layer {i}: a padding row was written"
+            if i == 1:
+                assert (lse_out[:b] - ref_lse).abs().max().item() < LSE_TOL, f"step {t}: lse"
+
+
+def test_compiled_module_on_the_gpu():
+    kv, table, lens, q = make([5, 3000, 20 * K], seed=seed_of("api-compile"))
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, kv, table, lens):
+            return decode(q * 1.0, kv, table, lens, logits_soft_cap=20.0)
+
+    out = torch.compile(Attn(), fullgraph=True, backend="aot_eager")(q, kv, table, lens)
+    check(out, attention_reference(q, kv, table, lens.cpu(), soft_cap=20.0), "float16", "compiled")
+
+
+def test_misaligned_views_are_refused():
+    kv, table, lens, q = make([40], d=64, seed=1)
+    wide = torch.zeros(kv.shape[:-1] + (72,), dtype=kv.dtype, device="cuda")
+    with pytest.raises(ValueError, match="16-byte boundar"):
+        decode(q, wide[..., 1:65], table, lens)
+    with pytest.raises(ValueError, match="one device"):
+        decode(q, kv, table.cpu(), lens)
