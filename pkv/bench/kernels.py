@@ -203,7 +203,7 @@ def run(args, command: str) -> int:
     import pandas as pd
 
     from pkv.core import io
-    from pkv.bench.splits import read_roofline
+    from pkv.bench.roofline import read_roofline
 
     if not torch.cuda.is_available():
         raise ValueError("pkv bench kernels needs a CUDA device")

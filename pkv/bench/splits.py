@@ -29,6 +29,7 @@ from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
+from pkv.bench.roofline import read_roofline
 from pkv.measure.timing import events_us, graph_us_per_call
 
 K = 1024
@@ -63,27 +64,6 @@ CASES = (
     + [Case(4, 32 * K, 4), Case(8, 32 * K, 4)]
     + [Case(8, 16 * K, g) for g in (1, 4, 8)]
 )
-
-
-def read_roofline(gib: float = 4.0, reps: int = 15) -> dict[str, float]:
-    """Streaming read bandwidth in GB/s over `gib` GiB: torch's sum and pkv's read probe.
-
-    The roofline is the faster of the two (medians after warm-up): a sum is a lower
-    bound on what a read-only kernel can stream."""
-    from pkv.kernels.loader import ops
-
-    x = torch.randn(int(gib * 2**30) // 4, device="cuda")
-    blocks = 8 * num_sms(x.device)
-    sink = torch.empty(blocks * 512, dtype=torch.int32, device="cuda")
-    probes = {"sum": lambda: x.sum(), "probe": lambda: ops().read_probe(x, sink, blocks)}
-    result = {}
-    for name, fn in probes.items():
-        times = [events_us(fn) for _ in range(reps + 3)][3:]
-        result[name] = gib * 2**30 / (statistics.median(times) * 1e-6) / 1e9
-    del x, sink
-    torch.cuda.empty_cache()
-    result["roofline"] = max(result["sum"], result["probe"])
-    return result
 
 
 class Workload:
@@ -237,11 +217,7 @@ def run_kernels(args) -> int:
     return 0
 
 
-def add_commands(sub) -> None:
-    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench", required=True, metavar="BENCH")
-    from pkv.bench import kernels as kernel_sweep   # pkv bench kernels: v4 against FlashInfer over the serving range
-
-    kernel_sweep.add_command(bench)
+def add_command(bench) -> None:
     p = bench.add_parser("splits", help="v3 host-planned schedules at their best split per case (needs a GPU)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engines", default=",".join(PKV_ENGINES + BASELINES), help="engines to time")
@@ -251,9 +227,3 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default="results/raw/kernels/v3-kernels.parquet", help="Parquet file to write")
     p.add_argument("--table", default="results/tables/kernels-v3.md", help="Markdown table to write")
     p.set_defaults(func=run_kernels)
-    from pkv.bench import host as bench_host   # pkv bench host: the host path per engine and batch
-
-    bench_host.add_command(bench)
-    from pkv.bench import fp8_accuracy   # pkv bench fp8-accuracy: error of FP8 caches per scale policy
-
-    fp8_accuracy.add_command(bench)

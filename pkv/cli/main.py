@@ -25,7 +25,7 @@ COMMANDS = {
     "report": ("pkv.cli.pipeline", "regenerate tables and figures from the Parquet under RESULTS_DIR"),
     "compare": ("pkv.cli.pipeline", "a run's tables beside the committed reference run's (ratios side by side)"),
     "nsight-parse": ("pkv.measure.nsight", "parse an ncu CSV capture into per-invocation Parquet (Table 5)"),
-    "bench": ("pkv.bench.splits", "benchmarks"),
+    "bench": ("pkv.cli.bench", "benchmarks"),
 }
 COMMAND_MODULES = list(dict.fromkeys(module for module, _ in COMMANDS.values()))
 

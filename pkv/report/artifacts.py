@@ -25,7 +25,7 @@ HOST = "raw/host/host_path.parquet"
 def _file(root: Path, rel: str) -> Path:
     path = root / rel
     if not path.is_file():
-        from pkv.report.tables import MissingStage
+        from pkv.report.load import MissingStage
 
         raise MissingStage(f"no {path}; run its rule first (docs/pipeline.md)")
     return path

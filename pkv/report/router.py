@@ -38,7 +38,7 @@ from pkv.plan.costmodel import Constants, RouteCost, estimate  # noqa: E402
 from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
 from pkv.report.ratios import modal_route, num, trace_label, trace_order  # noqa: E402
-from pkv.report.tables import load  # noqa: E402
+from pkv.report.load import load  # noqa: E402
 
 WALL_BAR, DEVICE_BAR = 0.97, 0.95
 
