@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pkv.engines import model as runners
 from pkv.measure import model_step as ms
 from pkv.report import model as rm
 from pkv.core.harness import StepState
@@ -36,7 +37,7 @@ def test_padded_flashinfer_view():
     assignment = assign_pages(np.array([40, 17, 3, 64, 5]), 16, 0.5, seed=7)
     step = StepState(0, np.array([3, 0, 2]), np.array([33, 40, 1], dtype=np.int32))
     real = flashinfer_view(assignment, step.request_ids, step.seq_lens)
-    v = ms.padded_flashinfer_view(assignment, step, 8, pad_page=0)
+    v = runners.padded_flashinfer_view(assignment, step, 8, pad_page=0)
     assert len(v.indptr) == 9 and len(v.last_page_len) == 8
     np.testing.assert_array_equal(v.indptr[:4], real.indptr)
     np.testing.assert_array_equal(v.indices[:real.indptr[-1]], real.indices)
@@ -46,9 +47,9 @@ def test_padded_flashinfer_view():
     np.testing.assert_array_equal(v.indices[real.indptr[-1]:], np.zeros(5))
     np.testing.assert_array_equal(v.last_page_len[3:], np.ones(5))
     assert v.indptr.dtype == v.indices.dtype == v.last_page_len.dtype == np.int32
-    np.testing.assert_array_equal(ms.padded_flashinfer_view(assignment, step, 3).indptr, real.indptr)
+    np.testing.assert_array_equal(runners.padded_flashinfer_view(assignment, step, 3).indptr, real.indptr)
     with pytest.raises(ValueError, match="cannot be padded"):
-        ms.padded_flashinfer_view(assignment, step, 2)
+        runners.padded_flashinfer_view(assignment, step, 2)
 
 
 def test_spread_steps_cover_the_whole_trace():
@@ -119,7 +120,7 @@ def test_padded_steps_match_the_reference():
 
 
 def test_a_wrong_attention_fails_the_check(monkeypatch):
-    monkeypatch.setattr(ms.PkvGraphRunner, "attend", lambda self, bucket: (lambda q: torch.zeros_like(q)))
+    monkeypatch.setattr(runners.PkvGraphRunner, "attend", lambda self, bucket: (lambda q: torch.zeros_like(q)))
     args = ms.build_parser().parse_args(["--smoke", "--out", "unused", "--families", "bimodal", "--buckets", "4",
                                          "--steps", "2"])
     frame, _ = ms.run(ms.build_plan(args), log=lambda m: None)
@@ -139,7 +140,7 @@ def test_failures_drop_an_engine_or_a_job_and_keep_the_rest(monkeypatch):
     def broken_capture(self, bucket, step):
         raise RuntimeError("capture failed\nsecond line")
 
-    monkeypatch.setattr(ms.PkvGraphRunner, "capture", broken_capture)
+    monkeypatch.setattr(runners.PkvGraphRunner, "capture", broken_capture)
     args = ms.build_parser().parse_args(["--smoke", "--out", "unused", "--families", "bimodal,azure", "--buckets", "2",
                                          "--steps", "1"])
     plan = ms.build_plan(args)
