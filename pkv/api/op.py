@@ -97,8 +97,9 @@ def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, lo
         _fail(f"q's {hq} heads are not a multiple of the KV cache's {hkv} KV heads (is the layout right?)")
     if not 1 <= batch <= GRAPH_MAX_ROWS:
         _fail(f"a call holds 1..{GRAPH_MAX_ROWS} rows, got {batch}")
-    shape = Shape(num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=page, dtype=QUERY_DTYPES[q.dtype],
-                  kv_dtype="fp8" if fp8 else "auto")   # refuses a page size that is not a power of two
+    # int(): under torch.compile with dynamic shapes these are symbolic; the kernel is built per value anyway.
+    shape = Shape(num_qo_heads=int(hq), num_kv_heads=int(hkv), head_dim=int(d), page_size=int(page),
+                  dtype=QUERY_DTYPES[q.dtype], kv_dtype="fp8" if fp8 else "auto")   # refuses a page size not 2^k
     check_graph_shape(shape)                           # head dims, group sizes, FP8 head dims
     if k.stride() != v.stride():
         _fail(f"K and V must have the same strides, got {k.stride()} and {v.stride()}")
