@@ -22,6 +22,8 @@ from __future__ import annotations
 import copy
 import datetime
 import json
+import math
+import os
 import re
 import shutil
 import subprocess
@@ -45,6 +47,82 @@ FLOAT_TEXT = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$")
 
 class ConfigError(ValueError):
     """A configuration that must not run; the message is one line naming the key."""
+
+
+# ---------------------------------------------------------------- the held-out discipline
+
+# Which of the config's seeds each stage may measure on: the one definition of the seed
+# discipline, checked by check_config, by every measuring command (check_seed) and by the
+# report (a file of a stage on any other seed is refused, named). Calibration alone sees
+# the calibration seed; every other stage sees only held-out seeds (the ablation seed
+# must not be the calibration seed either).
+SEED_ROLES = {
+    "calibrate": "calibration",
+    "serve": "heldout", "b4_sweep": "heldout", "mlp_proxy": "heldout", "kv_fp8": "heldout", "model_step": "heldout",
+    "isolated": "ablation", "split_sensitivity": "ablation", "gqa_sweep": "ablation", "raggedness": "ablation",
+    "implementation": "ablation", "external": "ablation", "nsight": "ablation",
+}
+
+
+def stage_seeds(cfg: dict, stage: str) -> tuple[int, ...]:
+    """The seeds `stage` may run on under `cfg` (SEED_ROLES)."""
+    role = SEED_ROLES[stage]
+    seeds = cfg["seeds"][role]
+    return tuple(seeds) if isinstance(seeds, list) else (seeds,)
+
+
+def check_seed(cfg: dict, stage: str, seed, source: str = "--seed") -> int:
+    """`seed` if `stage` may run on it under `cfg`; else one ConfigError line naming
+    `source` (a flag, or a file of the report) and the seeds it may use."""
+    allowed = stage_seeds(cfg, stage)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed not in allowed:
+        role = SEED_ROLES[stage]
+        if seed == cfg["seeds"]["calibration"] and role != "calibration":
+            why = "is the calibration seed, which no measurement other than calibration may use"
+        else:
+            why = "is not one of this config's seeds for the stage"
+        names = {"calibration": "the calibration seed", "heldout": "the held-out seeds seeds.heldout",
+                 "ablation": "the ablation seed seeds.ablation"}[role]
+        raise ConfigError(f"{source} {seed} {why}: {stage} runs on {names} ({', '.join(map(str, allowed))})")
+    return seed
+
+
+# ---------------------------------------------------------------- strict YAML
+
+
+def strict_yaml(text: str, source: str):
+    """YAML as yaml.safe_load reads it, but a key given twice in one mapping is refused
+    (file and line), instead of the last one silently winning."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node, deep=False):
+            seen = {}
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                if key in seen:
+                    raise ConfigError(f"{source}:{key_node.start_mark.line + 1}: key {key!r} given twice (first on "
+                                      f"line {seen[key] + 1}); one of them would silently be ignored")
+                seen[key] = key_node.start_mark.line
+            return super().construct_mapping(node, deep)
+
+    try:
+        return yaml.load(text, Loader=Loader)   # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{source}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A config file (config.yaml, a --configfile) read by strict_yaml."""
+    try:
+        doc = strict_yaml(Path(path).read_text(), str(path))
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read ({e.strerror})") from None
+    if doc is not None and not isinstance(doc, dict):
+        raise ConfigError(f"{path}: a config file must be a mapping of keys, got {type(doc).__name__}")
+    return doc or {}
 
 
 # ---------------------------------------------------------------- profile and run folder
@@ -103,10 +181,17 @@ def deep_merge(base: dict, override: dict) -> dict:
     return out
 
 
-def effective(config: dict, profile: str) -> dict:
-    """The configuration a profile runs: smoke overrides merged in, `smoke:` and `run` dropped."""
+def effective(config: dict, profile: str, overrides: dict | None = None) -> dict:
+    """The configuration a profile runs: smoke overrides merged in, `smoke:` and `run` dropped.
+
+    `overrides` are the values given on the command line (`--config`, and --configfile
+    files other than config.yaml): they win over the profile's section too, so that
+    `--config 'measure={max_steps: 4}'` means 4 steps on the smoke profile as well.
+    """
     base = copy.deepcopy({k: v for k, v in config.items() if k not in NOT_FROZEN})
     merged = deep_merge(base, config.get("smoke", {})) if profile == "smoke" else base
+    if overrides:
+        merged = deep_merge(merged, {k: v for k, v in overrides.items() if k not in NOT_FROZEN})
     merged["profile"] = profile
     return merged
 
@@ -161,29 +246,61 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "co
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     """The config schema, with the names only the code's tables know filled in: the engine
-    specs (pkv.engines.table) and the trace families (pkv.core.traces), so a new engine or
+    specs (pkv.engines.table) and the trace families (pkv.core.families), so a new engine or
     family needs no schema edit."""
-    import yaml
-
-    from pkv.core.traces import FAMILIES
+    from pkv.core.families import FAMILIES
     from pkv.engines.table import spec_pattern
 
-    schema = yaml.safe_load(Path(path).read_text())
+    schema = read_config_file(path)
     schema["$defs"]["engine"]["pattern"] = spec_pattern()
     schema["$defs"]["family"]["enum"] = list(FAMILIES)
     return schema
 
 
-def validate_config(cfg: dict, schema: dict, source: str = "config") -> None:
-    """JSON-schema validation with one line per failure: source, the key's dotted path
-    and the schema's message ("'nsigth' was unexpected", "-1.0 is less than ...")."""
+def _not_finite(value, path: tuple = ()) -> tuple | None:
+    """The path of the first NaN or infinite number in `value`, if any (JSON schema's
+    minimum/maximum let NaN through: every comparison with it is false)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, sub in items:
+        found = _not_finite(sub, (*path, key))
+        if found is not None:
+            return found
+    return None
+
+
+@cache
+def _validator_class():
     import jsonschema
 
-    validator = jsonschema.Draft202012Validator(schema)
-    error = jsonschema.exceptions.best_match(validator.iter_errors(cfg))
+    # An integer is a Python int, never a float that happens to be integral (20260623.0):
+    # JSON schema would accept it, then a job would fail on it with a traceback.
+    checker = jsonschema.Draft202012Validator.TYPE_CHECKER.redefine(
+        "integer", lambda _, v: isinstance(v, int) and not isinstance(v, bool))
+    return jsonschema.validators.extend(jsonschema.Draft202012Validator, type_checker=checker)
+
+
+def validate_config(cfg: dict, schema: dict, source: str = "config") -> None:
+    """JSON-schema validation with one line per failure: source, the key's dotted path
+    and the schema's message ("'nsigth' was unexpected", "-1.0 is less than ..."); NaN
+    and infinities are refused first, naming the key."""
+    import jsonschema
+
+    bad = _not_finite(cfg)
+    if bad is not None:
+        where = ".".join(str(p) for p in bad)
+        raise ConfigError(f"{source}: {where}: {_dig(cfg, bad)} is not a finite number")
+    error = jsonschema.exceptions.best_match(_validator_class()(schema).iter_errors(cfg))
     if error is not None:
         where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
         raise ConfigError(f"{source}: {where}: {error.message}")
+
+
+def _dig(cfg, path: tuple):
+    for key in path:
+        cfg = cfg[key]
+    return cfg
 
 
 def _points_used(cfg: dict) -> list[tuple[str, dict]]:
@@ -200,6 +317,7 @@ def check_config(cfg: dict, source: str = "config") -> None:
     """What the JSON schema cannot say; raises ConfigError (one line, naming the key)."""
     seeds = cfg["seeds"]
     cal = seeds["calibration"]
+    # SEED_ROLES: no stage but calibration may use the calibration seed.
     if cal in seeds["heldout"]:
         raise ConfigError(f"{source}: seeds.calibration {cal} is also in seeds.heldout; calibration must never "
                           "see a held-out seed")
@@ -226,6 +344,97 @@ def differences(a, b, prefix: str = "") -> list[str]:
     return [] if a == b else [prefix or "(whole config)"]
 
 
+# ---------------------------------------------------------------- the workflow's checks at parse time
+
+
+def command_line_overrides(config_args: dict, configfiles, own_configfile: str | Path, schema: dict) -> dict:
+    """What the command line sets: the --configfile files other than the workflow's own
+    config.yaml (each read strictly: a duplicate key is refused), then --config, typed by
+    the schema. effective() applies it over the profile's section."""
+    own = Path(own_configfile).resolve()
+    out: dict = {}
+    for f in configfiles:
+        if Path(f).resolve() != own:
+            out = deep_merge(out, read_config_file(f))
+    return coerce(deep_merge(out, copy.deepcopy(dict(config_args))), schema)
+
+
+def check_frozen(root: str | Path, cfg: dict, reference: bool) -> None:
+    """Refuse a results folder whose frozen config.json is not what config.yaml and the
+    command line resolve to now: a hand-edited frozen config would otherwise be used by
+    every job (and a dry run would say nothing is to be done), and a changed config would
+    leave the folder's tables from the old one looking current. One folder, one config."""
+    path = Path(root, "config.json")
+    if not path.is_file():
+        return
+    frozen = _read_json(path, "frozen config")
+    diff = differences(frozen, cfg)
+    if not diff:
+        return
+    keys = f"{', '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}"
+    if reference:
+        raise ConfigError(f"{path}: this config differs from the committed reference run's in {keys}; a changed "
+                          "config is a new run: name it with --config run=NAME (it goes to results/runs/NAME/)")
+    fix = "remove the folder to start over" if Path(root).as_posix() == SMOKE_ROOT else \
+        "name a new run with --config run=NAME, or remove the folder to start over"
+    raise ConfigError(f"{path}: differs from what config.yaml and the command line resolve to, in {keys} (edited "
+                      f"by hand, or the config changed since this folder was frozen); a results folder holds the "
+                      f"results of one config: {fix}")
+
+
+def check_runnable(cfg: dict, gpu: str | None, reference: bool, run: str) -> None:
+    """What would make every job of this plan fail, said before any runs."""
+    if cfg["profile"] == "paper" and gpu is None and not reference:
+        raise ConfigError(f"config: profile paper with run {run} measures on a GPU, and nvidia-smi lists none on this "
+                          "machine; run the CPU smoke profile here (--config profile=smoke)")
+    path = cfg["external"]["path"]
+    if not reference and not Path(path).is_file():
+        raise ConfigError(f"config: external.path {path}: no such file")
+
+
+_LOCKS: dict[str, int] = {}
+# Snakemake options after which the invocation writes no results (the workflow object
+# does not say at parse time whether this is a dry run).
+_NOT_WRITING = {"-n", "--dry-run", "--dryrun", "--lint", "--unlock", "--touch", "-t", "--summary", "-S",
+                "--detailed-summary", "-D", "--list-rules", "--list", "-l", "--list-target-rules", "--lt", "--dag",
+                "--rulegraph", "--filegraph", "--d3dag", "--report", "--list-changes", "--lc", "--cleanup-metadata",
+                "--cm", "--containerize", "--generate-unit-tests", "--archive", "--export-cwl", "--help", "-h",
+                "--version", "-v", "--print-compilation", "--delete-all-output", "--delete-temp-output"}
+
+
+def writes_results(argv: list[str]) -> bool:
+    """Whether a snakemake command line runs jobs (not a dry run, lint, unlock, listing...)."""
+    return not any(a in _NOT_WRITING or re.fullmatch(r"-[a-zA-Z]*n[a-zA-Z]*", a) for a in argv)
+
+
+def lock_folder(root: str | Path, hold: bool, lock_dir: str | Path = ".snakemake") -> None:
+    """Say at once that another snakemake run is writing `root` (instead of Snakemake's
+    advice to --rerun-incomplete the files that run has not finished yet). The lock is
+    an flock, released by the kernel when its process ends however it ends, so a killed
+    run never leaves it behind. `hold`: keep it for this process (a run that writes);
+    else only test it (a dry run)."""
+    import fcntl
+
+    lock = Path(lock_dir) / f"pkv-{slug(str(root))}.lock"
+    if str(lock) in _LOCKS:
+        return
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise ConfigError(f"{root}: another snakemake run (pid {holder}) is writing this results folder; wait for "
+                          f"it to finish (the lock {lock} goes with that process)") from None
+    if not hold:
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _LOCKS[str(lock)] = fd
+
+
 # ---------------------------------------------------------------- the frozen files
 
 
@@ -233,15 +442,26 @@ def write_config(config: dict, path: str | Path) -> None:
     atomic_write_text(path, json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
+def _unique_keys(pairs: list) -> dict:
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
 def _read_json(path: str | Path, what: str) -> dict:
     try:
-        doc = json.loads(Path(path).read_text())
+        doc = json.loads(Path(path).read_text(), object_pairs_hook=_unique_keys)
     except FileNotFoundError:
         raise ConfigError(f"{path}: no such {what}") from None
     except IsADirectoryError:
         raise ConfigError(f"{path}: is a directory, not a {what}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, RecursionError) as e:   # JSONDecodeError, UnicodeDecodeError, a repeated key
         raise ConfigError(f"{path}: not a valid {what} ({e})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read the {what} ({e.strerror})") from None
     if not isinstance(doc, dict):
         raise ConfigError(f"{path}: not a valid {what} (expected a JSON object)")
     return doc
@@ -283,9 +503,11 @@ def shape_of(config: dict, num_kv_heads: int | None = None):
     return Shape.from_config(s)
 
 
-def device_of(config: dict) -> str:
-    """Smoke always runs on the CPU engines; paper runs on the GPU."""
-    return "cpu" if config["profile"] == "smoke" else "cuda"
+def device_of(config) -> str:
+    """Smoke always runs on the CPU engines; paper runs on the GPU (a config dict or its
+    typed view, pkv.config.typed.Config)."""
+    profile = config["profile"] if isinstance(config, dict) else config.profile
+    return "cpu" if profile == "smoke" else "cuda"
 
 
 def point_key(family: str, max_active: int) -> str:

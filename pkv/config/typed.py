@@ -1,0 +1,298 @@
+"""The validated config as typed, frozen dataclasses: `Config.from_dict(cfg)`.
+
+A view over the same dict the pipeline freezes to config.json (whose hash every Parquet
+file records): `to_dict()` gives that dict back unchanged, so the frozen format and every
+config hash stay as they are. What it adds is that a wrong key fails when the config is
+loaded, not in the middle of a job: a key the dataclasses do not name is refused, and so
+is a missing one, each naming its dotted path; in code, `cfg.measure.max_step` is an
+AttributeError a type checker sees. tests/test_typed_config.py checks that the fields
+cover the schema's keys exactly.
+
+Types follow workflow/schemas/config.schema.yaml, which has validated the values before
+(lists become tuples, so a Config is immutable and hashable).
+
+Imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from functools import cache
+from typing import Mapping, Optional
+
+from pkv.config.resolve import ConfigError
+
+
+@dataclass(frozen=True)
+class Shape:
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: str
+    kv_dtype: Optional[str] = None   # optional in the schema: auto (= dtype) when absent
+
+
+@dataclass(frozen=True)
+class Seeds:
+    calibration: int
+    heldout: tuple[int, ...]
+    ablation: int
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    max_abs: float
+    mean_abs: float
+
+
+@dataclass(frozen=True)
+class Measure:
+    holes: float
+    max_steps: int
+    reference_every: int
+    graph: bool
+
+
+@dataclass(frozen=True)
+class TraceSize:
+    """A family's SyntheticSpec fields; absent ones take SyntheticSpec's defaults."""
+
+    num_requests: Optional[int] = None
+    decode_min: Optional[int] = None
+    decode_max: Optional[int] = None
+    min_len: Optional[int] = None
+    max_len: Optional[int] = None
+    mean_arrival_gap: Optional[float] = None
+    scale: Optional[float] = None
+
+    def given(self) -> dict:
+        """The fields the config sets (SyntheticSpec keyword arguments)."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
+class Traces:
+    bucketed: TraceSize
+    homogeneous: TraceSize
+    bimodal: TraceSize
+    uniform: TraceSize
+    zipf: TraceSize
+
+    def __getitem__(self, family: str) -> TraceSize:
+        if family not in _field_names(Traces):
+            raise KeyError(family)
+        return getattr(self, family)
+
+
+@dataclass(frozen=True)
+class Point:
+    family: str
+    max_active: int
+
+
+@dataclass(frozen=True)
+class Calibration:
+    max_steps: int
+    split_grid: tuple[int, ...]
+    bandwidth_bytes: int
+    launch_samples: int
+
+
+@dataclass(frozen=True)
+class Margin:
+    max_active: int
+    margin: float
+
+
+@dataclass(frozen=True)
+class Policy:
+    supported_groups: tuple[int, ...]
+    min_context: int
+    min_tiles_per_split: int
+    margins: tuple[Margin, ...]
+
+
+@dataclass(frozen=True)
+class Isolated:
+    contexts: tuple[int, ...]
+    holes: float
+    repeats: int
+    engines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SplitSensitivity:
+    points: tuple[Point, ...]
+    offsets: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class B4Sweep:
+    family: str
+    max_active: int
+    splits: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GqaSweep:
+    family: str
+    max_active: int
+    num_requests: int
+    max_steps: int
+    groups: tuple[int, ...]
+    engines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Ablation:
+    family: str
+    max_active: int
+    engines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class KvFp8:
+    family: str
+    max_active: int
+    policy: str
+    engines: tuple[str, ...]
+    max_steps: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class Ablations:
+    split_sensitivity: SplitSensitivity
+    b4_sweep: B4Sweep
+    gqa_sweep: GqaSweep
+    raggedness: Ablation
+    implementation: Ablation
+    kv_fp8: Optional[KvFp8] = None   # optional: pkv.measure.stages.KV_FP8 when absent
+
+
+@dataclass(frozen=True)
+class MlpProxy:
+    family: str
+    max_active: int
+    width: int
+    layers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class External:
+    path: str
+    step_ms: float
+    prompt_scale: float
+    max_len: int
+    max_requests: int
+    max_active: int
+    operating_point: Point
+    engines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NsightCapture:
+    family: str
+    max_active: int
+    max_steps: int
+    engines: tuple[str, ...]
+    kernel_filter: str
+    metrics: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The frozen config (profile resolved, no `smoke:` or `run`)."""
+
+    profile: str
+    nsight: bool
+    shape: Shape
+    seeds: Seeds
+    tolerance: Tolerance
+    measure: Measure
+    baselines: tuple[str, ...]
+    traces: Traces
+    serving: tuple[Point, ...]
+    engine_sets: Mapping[str, tuple[str, ...]]
+    calibration: Calibration
+    policy: Policy
+    isolated: Isolated
+    ablations: Ablations
+    mlp_proxy: MlpProxy
+    external: External
+    nsight_capture: NsightCapture
+
+    @classmethod
+    def from_dict(cls, cfg: dict, source: str = "config") -> "Config":
+        """The typed view of a validated config dict; an unknown or missing key is one
+        ConfigError line naming its dotted path."""
+        return _build(cls, cfg, source, "")
+
+    @classmethod
+    def of(cls, cfg: "Config | dict") -> "Config":
+        """`cfg` itself if typed already, else its typed view (functions that take either)."""
+        return cfg if isinstance(cfg, Config) else cls.from_dict(cfg)
+
+    def to_dict(self) -> dict:
+        """The dict this view was made from (lists as lists, absent optional keys absent)."""
+        return _plain(self)
+
+
+@cache
+def _hints(cls) -> dict:
+    return typing.get_type_hints(cls)
+
+
+@cache
+def _field_names(cls) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+def _build(kind, value, source: str, where: str):
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin in (typing.Union, types.UnionType):   # Optional[X]
+        return None if value is None else _build(next(a for a in args if a is not type(None)), value, source, where)
+    if dataclasses.is_dataclass(kind):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {where or '(top level)'}: expected a mapping for {kind.__name__}, "
+                              f"got {type(value).__name__}")
+        hints, fields = _hints(kind), dataclasses.fields(kind)
+        names = {f.name for f in fields}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ConfigError(f"{source}: {_at(where, unknown[0])}: unknown key (the typed config "
+                              f"{kind.__name__} has {', '.join(sorted(names))})")
+        out = {}
+        for f in fields:
+            if f.name in value:
+                out[f.name] = _build(hints[f.name], value[f.name], source, _at(where, f.name))
+            elif f.default is dataclasses.MISSING:
+                raise ConfigError(f"{source}: {_at(where, f.name)}: missing key")
+        return kind(**out)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{source}: {where}: expected a list, got {type(value).__name__}")
+        return tuple(_build(args[0], v, source, f"{where}[{i}]") for i, v in enumerate(value))
+    if origin in (Mapping, dict) or kind is Mapping:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {where}: expected a mapping, got {type(value).__name__}")
+        return types.MappingProxyType({k: _build(args[1], v, source, _at(where, k)) for k, v in value.items()})
+    return value
+
+
+def _at(where: str, key: str) -> str:
+    return f"{where}.{key}" if where else key
+
+
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if getattr(value, f.name) is not None or f.default is dataclasses.MISSING}
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
