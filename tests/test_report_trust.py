@@ -29,6 +29,25 @@ def _serve(root: Path, seed: int, wall: float = 1.0, **meta):
     write_parquet(frame, root / "raw" / "serve" / f"bimodal-b8-s{seed}-main.parquet", _meta(**meta))
 
 
+def _config(root: Path, seeds=SEEDS) -> str:
+    """A frozen smoke config in `root` whose only serving point is these tests' (Bimodal
+    B8, engine set main) on `seeds`; returns its hash."""
+    import yaml
+
+    from pkv.config.resolve import config_hash, effective
+
+    cfg = effective(yaml.safe_load((Path(__file__).resolve().parents[1] / "config.yaml").read_text()), "smoke")
+    cfg["seeds"]["heldout"] = list(seeds)
+    cfg["serving"] = [{"family": "bimodal", "max_active": 8}]
+    for key in ("split_sensitivity",):
+        cfg["ablations"][key]["points"] = [{"family": "bimodal", "max_active": 8}]
+    for key in ("b4_sweep", "raggedness", "implementation"):
+        cfg["ablations"][key]["max_active"] = 8
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(cfg))
+    return config_hash(cfg)
+
+
 def _pkv(*args, cwd=None):
     return subprocess.run([sys.executable, "-m", "pkv", *args], capture_output=True, text=True, timeout=300, cwd=cwd)
 
@@ -45,7 +64,7 @@ def test_a_report_over_two_runs_is_refused(tmp_path, key):
 
 
 def test_files_must_match_the_folders_frozen_config(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"seeds": {"heldout": list(SEEDS[:1])}}))
+    _config(tmp_path, SEEDS[:1])
     _serve(tmp_path, SEEDS[0])   # config_hash "ccc...", not this config.json's
     with pytest.raises(ReportError, match=r"config hash c{16} is not this folder's"):
         load(tmp_path, ("serve",))
@@ -88,10 +107,7 @@ def test_missing_results_folder_is_an_error_and_nothing_is_created(tmp_path):
 
 
 def test_missing_seed_is_flagged_in_the_table(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"seeds": {"heldout": list(SEEDS)}}))
-    from pkv.core.io import dict_hash
-
-    config = dict_hash(json.loads((tmp_path / "config.json").read_text()))
+    config = _config(tmp_path)
     for seed in (SEEDS[0], SEEDS[2]):
         _serve(tmp_path, seed, config_hash=config)
     build_report(tmp_path, [tmp_path / "tables" / "serving.md", tmp_path / "tables" / "serving.tex"])

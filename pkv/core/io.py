@@ -112,8 +112,8 @@ def provenance(config_hash: str = "none", constants_hash: str = "none") -> dict[
     }
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    path = Path(path)
+def _stage(path: Path, data: bytes) -> str:
+    """`data` in a temp file beside `path` (made readable as the umask says); its name."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
@@ -123,10 +123,46 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    return tmp
+
+
+def _named(path: Path, e: OSError) -> OSError:
+    """`e` with the path it failed on in its message ("No space left on device" alone names none)."""
+    named = type(e)(f"{path}: cannot write ({e.strerror or e})")
+    named.errno = e.errno
+    return named
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
+    atomic_write_many({Path(path): data})
+
+
+def atomic_write_many(files: dict[Path, bytes]) -> None:
+    """Write every file or none: each is staged beside its final name first (a directory
+    in the way, a full disk or a read-only folder fails here, before any is replaced),
+    then all are renamed into place. An OSError names the path it failed on."""
+    staged: dict[Path, str] = {}
+    try:
+        for path, data in files.items():
+            path = Path(path)
+            if path.is_dir():
+                raise IsADirectoryError(f"{path}: is a directory, not a file that can be written")
+            try:
+                staged[path] = _stage(path, data)
+            except OSError as e:
+                raise _named(path, e) from None
+        for path, tmp in list(staged.items()):
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                raise _named(path, e) from None
+            del staged[path]
+    finally:
+        for tmp in staged.values():
+            Path(tmp).unlink(missing_ok=True)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -17,7 +17,7 @@ built (all or nothing). A seed missing from a per-seed stage is flagged in the t
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -26,129 +26,15 @@ import pandas as pd
 from tabulate import tabulate
 
 from pkv.engines import table
-from pkv.core.io import atomic_write_bytes, dict_hash, file_hash, read_meta
+from pkv.core.io import atomic_write_many
 from pkv.config.resolve import SMOKE_BANNER
 from pkv.measure.nsight import table5
 from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
                         ratios, throughputs, trace_label, trace_order)
-from pkv.report.spec import FIGURE_SPECS, PER_SEED_STAGES, TABLE_SPECS
-
-
-@dataclass
-class Raw:
-    """The rows and per-file metadata of the stages a target reads."""
-
-    frame: pd.DataFrame
-    metas: list[dict]
-    smoke: bool
-    missing_seeds: dict[str, list[int]] = field(default_factory=dict)   # row label -> seeds without a file
-
-
-class MissingStage(ValueError):
-    """A target's stage has not been measured in this results folder."""
-
-
-class ReportError(ValueError):
-    """A results folder that cannot be reported as it is (one line, naming the file)."""
-
-
-def check_folder(root: Path) -> None:
-    if not root.exists():
-        raise ReportError(f"{root}: no such results folder")
-    if not root.is_dir():
-        raise ReportError(f"{root}: not a folder")
-    if not (root / "raw").is_dir():
-        raise ReportError(f"{root}: not a results folder (no raw/ inside; name the folder that holds raw/)")
-
-
-def _frozen_hashes(root: Path) -> tuple[str | None, str | None]:
-    """(config hash, constants hash) of the folder's frozen files, where it has them."""
-    cfg, const = root / "config.json", root / "calibration" / "constants.json"
-    config = None
-    if cfg.is_file():
-        try:
-            config = dict_hash(json.loads(cfg.read_text()))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise ReportError(f"{cfg}: not valid JSON ({e})") from None
-    return config, file_hash(const) if const.is_file() else None
-
-
-def _expected_seeds(root: Path) -> set[int]:
-    try:
-        return {int(s) for s in json.loads((root / "config.json").read_text())["seeds"]["heldout"]}
-    except (OSError, ValueError, KeyError, TypeError):
-        return set()
-
-
-def _one(values: dict[str, list[Path]], what: str, root: Path, frozen: str | None, frozen_file: str) -> None:
-    values = {k: v for k, v in values.items() if k != "none"}
-    if frozen is not None:
-        wrong = {k: v for k, v in values.items() if k != frozen}
-        if wrong:
-            k, files = sorted(wrong.items())[0]
-            raise ReportError(f"{files[0]}: {what} {k} is not this folder's ({frozen}, {root / frozen_file}); "
-                              f"{sum(len(v) for v in wrong.values())} file(s) come from another run: rerun them or "
-                              "report them separately")
-    if len(values) > 1:
-        listing = "; ".join(f"{k}: {v[0].name}{' and others' if len(v) > 1 else ''}" for k, v in sorted(values.items()))
-        raise ReportError(f"{root} mixes results of several {what}es ({listing}); report each run's folder separately")
-
-
-def load(root: Path, stages: tuple[str, ...], required: bool = True) -> Raw:
-    import pyarrow.parquet as pq
-
-    files = sorted(f for s in stages for f in (root / "raw" / s).glob("*.parquet"))
-    if not files and required:
-        raise MissingStage(f"no Parquet under {', '.join(str(root / 'raw' / s) for s in stages)}; run the stage first")
-    metas, frames = [], []
-    for f in files:
-        try:
-            metas.append(read_meta(f))
-            frames.append(pq.read_table(f).to_pandas())
-        except Exception as e:  # noqa: BLE001 - any reader failure is this file's fault
-            why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ReportError(f"{f}: unreadable Parquet ({why})") from None
-    gpus = sorted({m.get("gpu", "unknown") for m in metas})
-    if len(gpus) > 1:
-        raise ReportError(f"{root} mixes results from several GPU models ({', '.join(gpus)}); "
-                          "report each GPU's results folder separately")
-    frozen_config, frozen_constants = _frozen_hashes(root)
-    by_config: dict[str, list[Path]] = {}
-    by_constants: dict[str, list[Path]] = {}
-    for f, m in zip(files, metas):
-        by_config.setdefault(m.get("config_hash", "none"), []).append(f)
-        if m.get("stage") != "calibrate":
-            by_constants.setdefault(m.get("constants_hash", "none"), []).append(f)
-    _one(by_config, "config hash", root, frozen_config, "config.json")
-    _one(by_constants, "constants hash", root, frozen_constants, "calibration/constants.json")
-    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    # A stage without files (Nsight off) takes the profile from the folder's other files.
-    profiles = metas or [read_meta(f) for f in sorted(root.glob("raw/*/*.parquet"))[:1]]
-    raw = Raw(frame, metas, any(m.get("profile") == "smoke" for m in profiles))
-    raw.missing_seeds = missing_seeds(frame, _expected_seeds(root)) if set(stages) & set(PER_SEED_STAGES) else {}
-    return raw
-
-
-def missing_seeds(frame: pd.DataFrame, expected: set[int]) -> dict[str, list[int]]:
-    """Row label -> held-out seeds it lacks, over the per-seed stages in `frame`: each
-    (stage, family, batch) should have every seed of the config (or, without a config,
-    every seed any of them has)."""
-    if frame.empty:
-        return {}
-    rows = frame[frame["stage"].isin(PER_SEED_STAGES)]
-    expected = expected or {int(s) for s in rows["seed"].unique()}
-    out = {}
-    for (stage, family, batch), g in rows.groupby(["stage", "family", "max_active"], sort=True, observed=True):
-        lack = sorted(expected - {int(s) for s in g["seed"].unique()})
-        if lack:
-            out[f"{stage}: {trace_label(family, int(batch))}"] = lack
-    return out
-
-
-def seeds_cell(raw: Raw, stage: str, family: str, batch: int, have: int) -> str:
-    """The Seeds column: the count, and which are missing when any is."""
-    lack = raw.missing_seeds.get(f"{stage}: {trace_label(family, batch)}")
-    return f"{have} of {have + len(lack)} (missing {', '.join(map(str, lack))})" if lack else str(have)
+# What the report reads and refuses (names re-exported for the modules that import them here).
+from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, load, missing_seeds,  # noqa: F401
+                             seeds_cell)
+from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
 
 # ---------------------------------------------------------------- formatting
@@ -446,8 +332,9 @@ def build_report(root: Path, only: list[Path], on_missing: Callable[[Path, str],
             if on_missing is None:
                 raise
             on_missing(path, str(e))
-    for path, data in built.items():
-        atomic_write_bytes(path, data)
+    # All or none on disk too: every file is staged before any is replaced (a directory in
+    # the way, a full disk fails the whole report, naming the path).
+    atomic_write_many(built)
     return list(built)
 
 
