@@ -6,8 +6,10 @@ import argparse
 
 import numpy as np
 
+from pkv.cli.args import integer, positive_number, seed
 from pkv.core.harness import peak_active
-from pkv.core.traces import FAMILIES, SyntheticSpec, Trace, Transform, apply_transform, load_trace, synthetic
+from pkv.core.traces import (FAMILIES, MAX_LEN, MAX_REQUESTS, SyntheticSpec, Trace, Transform, apply_transform,
+                             load_trace, synthetic)
 
 
 def add_commands(sub) -> None:
@@ -16,20 +18,22 @@ def add_commands(sub) -> None:
     src = show.add_mutually_exclusive_group(required=True)
     src.add_argument("--family", choices=FAMILIES, help="synthetic trace family")
     src.add_argument("--file", help="CSV, JSON or JSONL request file (native or Azure schema)")
-    show.add_argument("--seed", type=int, default=20260623, help="synthetic trace seed")
-    show.add_argument("--num-requests", type=int, default=16, help="synthetic trace: requests")
-    show.add_argument("--decode-min", type=int, default=16, help="synthetic trace: shortest decode length")
-    show.add_argument("--decode-max", type=int, default=64, help="synthetic trace: longest decode length")
-    show.add_argument("--step-ms", type=float, default=100.0, help="step length for timestamped (Azure) files")
-    show.add_argument("--prompt-scale", type=float, default=1.0, help="multiply prompt lengths (recorded)")
-    show.add_argument("--min-len", type=int, help="drop requests shorter than this (total tokens)")
-    show.add_argument("--max-len", type=int, help="drop requests longer than this (total tokens)")
-    show.add_argument("--max-requests", type=int, help="keep the first N requests by arrival")
-    show.add_argument("--max-active", type=int, default=8, help="continuous-batching limit for the peak-active figure")
-    show.add_argument("--num-qo-heads", type=int, default=32, help="query heads (for the KV-bytes figure)")
-    show.add_argument("--num-kv-heads", type=int, default=8, help="KV heads (for the KV-bytes figure)")
-    show.add_argument("--head-dim", type=int, default=128, help="head dimension (for the KV-bytes figure)")
-    show.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
+    # Limits as the trace's own (pkv.core.traces): checked here, before anything is generated.
+    show.add_argument("--seed", type=seed, default=20260623, help="synthetic trace seed")
+    show.add_argument("--num-requests", type=integer(1, MAX_REQUESTS), default=16, help="synthetic trace: requests")
+    show.add_argument("--decode-min", type=integer(1, MAX_LEN), default=16, help="synthetic trace: shortest decode length")
+    show.add_argument("--decode-max", type=integer(1, MAX_LEN), default=64, help="synthetic trace: longest decode length")
+    show.add_argument("--step-ms", type=positive_number(), default=100.0, help="step length for timestamped (Azure) files")
+    show.add_argument("--prompt-scale", type=positive_number(), default=1.0, help="multiply prompt lengths (recorded)")
+    show.add_argument("--min-len", type=integer(1, MAX_LEN), help="drop requests shorter than this (total tokens)")
+    show.add_argument("--max-len", type=integer(1, MAX_LEN), help="drop requests longer than this (total tokens)")
+    show.add_argument("--max-requests", type=integer(1, MAX_REQUESTS), help="keep the first N requests by arrival")
+    show.add_argument("--max-active", type=integer(1, MAX_REQUESTS), default=8,
+                      help="continuous-batching limit for the peak-active figure")
+    show.add_argument("--num-qo-heads", type=integer(1, 1024), default=32, help="query heads (for the KV-bytes figure)")
+    show.add_argument("--num-kv-heads", type=integer(1, 1024), default=8, help="KV heads (for the KV-bytes figure)")
+    show.add_argument("--head-dim", type=integer(1, 1024), default=128, help="head dimension (for the KV-bytes figure)")
+    show.add_argument("--page-size", type=integer(1, 1024), default=16, help="tokens per KV page")
     show.add_argument("--dtype", default="float16", help="KV cache dtype (for the KV-bytes figure)")
     show.set_defaults(func=show_trace)
 

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,7 +42,11 @@ AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 MAX_LEN = 1 << 24            # tokens per request, prompt + decode
 MAX_REQUESTS = 1 << 20       # requests per trace
 MAX_ARRIVAL_STEP = 1 << 30   # latest arrival step
-INTEGER = re.compile(r"^[+-]?[0-9]+$")
+INTEGER = re.compile(r"[+-]?[0-9]+")   # the whole text (fullmatch): "1\n00" is not 100
+# An Azure TIMESTAMP: date, optional time, no timezone (an offset would be converted
+# silently, and rows in several zones mixed).
+TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}([ T][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?")
+MAX_JSON_DEPTH = 64         # nesting of a request file's JSON (a request object is depth 2 or 3)
 
 
 @dataclass(frozen=True)
@@ -111,14 +117,17 @@ class SyntheticSpec:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown trace family {self.family!r}; choose one of {', '.join(FAMILIES)}")
-        if self.num_requests < 1:
-            raise ValueError(f"num_requests must be >= 1, got {self.num_requests}")
-        if not 1 <= self.decode_min <= self.decode_max:
-            raise ValueError(f"need 1 <= decode_min <= decode_max, got {self.decode_min}, {self.decode_max}")
-        if not 1 <= self.min_len <= self.max_len:
-            raise ValueError(f"need 1 <= min_len <= max_len, got {self.min_len}, {self.max_len}")
-        if self.mean_arrival_gap < 0 or self.scale <= 0:
-            raise ValueError("mean_arrival_gap must be >= 0 and scale > 0")
+        # Limits first: a trace of 10^12 requests is refused before anything is generated.
+        if not 1 <= self.num_requests <= MAX_REQUESTS:
+            raise ValueError(f"num_requests must be in 1..{MAX_REQUESTS} (MAX_REQUESTS), got {self.num_requests}")
+        if not 1 <= self.decode_min <= self.decode_max <= MAX_LEN:
+            raise ValueError(f"need 1 <= decode_min <= decode_max <= {MAX_LEN} (MAX_LEN), got {self.decode_min}, "
+                             f"{self.decode_max}")
+        if not 1 <= self.min_len <= self.max_len <= MAX_LEN:
+            raise ValueError(f"need 1 <= min_len <= max_len <= {MAX_LEN} (MAX_LEN), got {self.min_len}, {self.max_len}")
+        if not (0 <= self.mean_arrival_gap < math.inf and 0 < self.scale < math.inf):   # NaN fails both
+            raise ValueError(f"mean_arrival_gap must be a finite number >= 0 and scale a finite number > 0, got "
+                             f"{self.mean_arrival_gap}, {self.scale}")
 
 
 def _prompt_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
@@ -176,8 +185,8 @@ class Transform:
     max_requests: int | None = None
 
     def __post_init__(self) -> None:
-        if self.prompt_scale <= 0:
-            raise ValueError(f"prompt_scale must be > 0, got {self.prompt_scale}")
+        if not 0 < self.prompt_scale < math.inf:   # NaN fails too
+            raise ValueError(f"prompt_scale must be a finite number > 0, got {self.prompt_scale}")
         for name in ("min_len", "max_len", "max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -195,7 +204,7 @@ def _int_field(path: Path, where: str, name: str, raw) -> int:
     if isinstance(raw, int) and not isinstance(raw, bool):
         return raw
     text = raw.strip() if isinstance(raw, str) and not isinstance(raw, _JsonNumber) else None
-    if text is None or not INTEGER.match(text):
+    if text is None or not INTEGER.fullmatch(text):
         shown = str(raw) if isinstance(raw, _JsonNumber) else repr(raw)
         raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {shown}")
     return int(text)
@@ -212,9 +221,15 @@ def _positive(path: Path, where: str, name: str, raw) -> int:
 
 
 def _timestamp_ns(path: Path, where: str, raw) -> int:
+    text = str(raw).strip()
+    if not TIMESTAMP.fullmatch(text):
+        zone = " with a timezone (give every time in one zone, without an offset)" \
+            if re.search(r"(Z|[+-][0-9]{2}:?[0-9]{2})$", text) else ""
+        raise TraceFileError(f"{path}:{where}: field 'TIMESTAMP' is not a timestamp YYYY-MM-DD[ HH:MM[:SS[.f]]]"
+                             f"{zone}: {raw!r}")
     try:
-        return int(np.datetime64(str(raw).strip().replace(" ", "T"), "ns").astype(np.int64))
-    except ValueError:
+        return int(np.datetime64(text.replace(" ", "T"), "ns").astype(np.int64))
+    except (ValueError, OverflowError):
         raise TraceFileError(f"{path}:{where}: field 'TIMESTAMP' is not a timestamp: {raw!r}") from None
 
 
@@ -227,8 +242,9 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
     if not text.strip():
         raise TraceFileError(f"{path}: the file is empty")
     if suffix == ".csv":
-        reader = csv.DictReader(text.splitlines())
-        columns = [c.strip() for c in reader.fieldnames or []]
+        # newline="": a quoted field keeps its line breaks ("1\n00" is not read as 100).
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        columns = [c.strip() for c in _csv_step(path, reader, lambda: reader.fieldnames) or []]
         seen = set()
         for c in columns:
             if c in seen:
@@ -236,7 +252,7 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
             seen.add(c)
         reader.fieldnames = columns
         rows = []
-        for row in reader:
+        for row in iter(lambda: _csv_step(path, reader, lambda: next(reader, None)), None):
             if None in row:
                 raise TraceFileError(f"{path}:line {reader.line_num}: more values than the header's {len(columns)} columns")
             rows.append((f"line {reader.line_num}", row))
@@ -253,12 +269,25 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
             raise TraceFileError(f"{path}:line {e.lineno}: not valid JSON ({e.msg})") from None
         except _DuplicateKey as e:
             raise TraceFileError(f"{path}: key '{e.args[0]}' appears twice in one object") from None
+        except (_TooDeep, RecursionError):
+            raise TraceFileError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels (pkv.core.traces."
+                                 "MAX_JSON_DEPTH); a request file is a list of flat objects") from None
         items = doc.get("requests") if isinstance(doc, dict) else doc
         if not isinstance(items, list):
             raise TraceFileError(f"{path}: expected a list of requests or an object with a 'requests' list")
         rows = [(f"item {n}", _as_object(path, f"item {n}", r)) for n, r in enumerate(items)]
     columns = sorted({k for _, r in rows for k in r})
     return columns, rows
+
+
+def _csv_step(path: Path, reader: csv.DictReader, step):
+    """One step of the CSV reader, its errors (a field above csv's size limit, a stray
+    quote) named by file and line."""
+    try:
+        return step()
+    except csv.Error as e:
+        # line_num counts the lines read before the one that failed.
+        raise TraceFileError(f"{path}:line {reader.line_num + 1}: not valid CSV ({e})") from None
 
 
 def _read_text(path: Path) -> str:
@@ -285,8 +314,22 @@ def _unique_object(pairs: list[tuple[str, object]]) -> dict:
 
 
 def _json_loads(text: str):
-    return json.loads(text, object_pairs_hook=_unique_object, parse_float=_JsonNumber,
-                      parse_constant=_JsonNumber)
+    doc = json.loads(text, object_pairs_hook=_unique_object, parse_float=_JsonNumber, parse_constant=_JsonNumber)
+    if _depth(doc) > MAX_JSON_DEPTH:
+        raise _TooDeep()
+    return doc
+
+
+class _TooDeep(Exception):
+    pass
+
+
+def _depth(value, level: int = 1) -> int:
+    """Nesting depth of a parsed JSON value, stopping once it passes MAX_JSON_DEPTH."""
+    if level > MAX_JSON_DEPTH or not isinstance(value, (dict, list)):
+        return level
+    subs = value.values() if isinstance(value, dict) else value
+    return max((_depth(v, level + 1) for v in subs), default=level)
 
 
 def _json_object(path: Path, where: str, line: str) -> dict:
@@ -296,6 +339,9 @@ def _json_object(path: Path, where: str, line: str) -> dict:
         raise TraceFileError(f"{path}:{where}: not valid JSON ({e.msg})") from None
     except _DuplicateKey as e:
         raise TraceFileError(f"{path}:{where}: key '{e.args[0]}' appears twice in one object") from None
+    except (_TooDeep, RecursionError):
+        raise TraceFileError(f"{path}:{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels "
+                             "(pkv.core.traces.MAX_JSON_DEPTH); a request is a flat object") from None
 
 
 def _as_object(path: Path, where: str, value) -> dict:
@@ -315,8 +361,8 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
         raise TraceFileError(f"{path}: no such file")
     if not path.is_file():
         raise TraceFileError(f"{path}: not a regular file")
-    if step_ms <= 0:
-        raise ValueError(f"step_ms must be > 0, got {step_ms}")
+    if not 0 < step_ms < math.inf:   # NaN fails too
+        raise ValueError(f"step_ms must be a finite number > 0, got {step_ms}")
     columns, rows = _records(path)
     if all(c in columns for c in NATIVE_COLUMNS):
         schema = "native"
