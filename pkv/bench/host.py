@@ -37,6 +37,7 @@ from pkv.plan.costmodel import Constants, Router
 from pkv.engines import make_engine, table
 from pkv.core.harness import StepState
 from pkv.config.resolve import device_of, load_config, shape_of
+from pkv.config.typed import Config
 from pkv.core.paging import assign_pages, flashinfer_view
 from pkv.plan.schedule import SplitPolicy
 
@@ -147,7 +148,7 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
     device = device_of(cfg)
     cuda = device == "cuda"
     shape = shape_of(cfg)
-    holes = cfg["measure"]["holes"]
+    holes = Config.of(cfg).measure.holes
     rows = []
     for batch in batches:
         trace_steps = make_steps(batch, steps, min_len, max_len, seed)
@@ -190,7 +191,8 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
 
 def run_host(args) -> int:
     cfg = load_config(args.config)
-    smoke = cfg["profile"] == "smoke"
+    typed = Config.from_dict(cfg, args.config)   # a wrong key fails here, not mid-benchmark
+    smoke = typed.profile == "smoke"
     if device_of(cfg) == "cuda" and not torch.cuda.is_available():
         raise ValueError("pkv bench host: the paper profile needs a CUDA device")
     k = Constants.load(args.constants) if args.constants else None
@@ -205,7 +207,7 @@ def run_host(args) -> int:
     command = "pkv bench host " + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()
                                            if key not in ("func", "command", "bench") and value != "")
     meta = {**io.provenance(io.file_hash(args.config), io.file_hash(args.constants) if args.constants else "none"),
-            "command": command, "profile": cfg["profile"]}
+            "command": command, "profile": typed.profile}
     io.write_parquet(frame, args.out, meta)
     if args.table:   # also rendered by `pkv report` (target tables/host_path.md)
         io.atomic_write_text(args.table, markdown(pd.read_parquet(args.out), io.read_meta(args.out)))

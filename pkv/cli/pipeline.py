@@ -14,8 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pkv.cli.args import integer, seed
 from pkv.core.io import atomic_write_text, file_hash, provenance, write_parquet
-from pkv.config.resolve import SMOKE_BANNER, check_constants, config_hash, load_config, write_config
+from pkv.config.jobs import check_job
+from pkv.config.resolve import SMOKE_BANNER, ConfigError, check_constants, config_hash, load_config, write_config
+from pkv.config.typed import Config
 
 
 def add_commands(sub) -> None:
@@ -34,30 +37,30 @@ def add_commands(sub) -> None:
     p = msub.add_parser("serve", help="Table 2: one held-out trace x engine set")
     _common(p)
     _point(p)
-    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--seed", type=seed, required=True)
     p.add_argument("--engine-set", required=True)
     p = msub.add_parser("isolated", help="Table 1: one request of CONTEXT tokens, 50%% holes")
     _common(p)
-    p.add_argument("--context", type=int, required=True)
+    p.add_argument("--context", type=integer(1), required=True)
     p = msub.add_parser("split-sensitivity", help="Table 7: the policy at the frozen split and its neighbours")
     _common(p)
     _point(p)
     p = msub.add_parser("b4-sweep", help="PersistentKV workqueue on B4 over a split grid")
     _common(p)
-    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--seed", type=seed, required=True)
     p = msub.add_parser("gqa-sweep", help="Table 8: one GQA group size G")
     _common(p)
-    p.add_argument("--group", type=int, required=True)
+    p.add_argument("--group", type=integer(1), required=True)
     for name in ("raggedness", "implementation"):
         p = msub.add_parser(name, help=f"the {name} ablation on one seed")
         _common(p)
-        p.add_argument("--seed", type=int, required=True)
+        p.add_argument("--seed", type=seed, required=True)
     p = msub.add_parser("kv-fp8", help="the FP8 KV ablation (16-bit and e4m3 cache, same trace) on one seed")
     _common(p)
-    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--seed", type=seed, required=True)
     p = msub.add_parser("mlp-proxy", help="Table 3: attention + gated MLP tail on one seed")
     _common(p)
-    p.add_argument("--seed", type=int, required=True)
+    p.add_argument("--seed", type=seed, required=True)
     p = msub.add_parser("external", help="the external (Azure) request trace")
     _common(p)
     p.add_argument("--trace", required=True, help="the request file named in the config")
@@ -92,17 +95,17 @@ def _common(p: argparse.ArgumentParser, constants: bool = True) -> None:
 
 def _point(p: argparse.ArgumentParser) -> None:
     p.add_argument("--family", required=True, help="trace family of the operating point")
-    p.add_argument("--max-active", type=int, required=True, help="continuous-batching limit B of the operating point")
+    p.add_argument("--max-active", type=integer(1), required=True, help="continuous-batching limit B of the operating point")
 
 
 def _announce(cfg: dict) -> None:
-    if cfg["profile"] == "smoke":
+    if Config.of(cfg).profile == "smoke":
         print(f"*** {SMOKE_BANNER}: tiny shapes, CPU engines ***", file=sys.stderr)
 
 
 def _meta(args, cfg: dict, extra: dict) -> dict:
     consts = getattr(args, "constants", None)
-    return {**provenance(config_hash(cfg), file_hash(consts)), "profile": cfg["profile"], **extra}
+    return {**provenance(config_hash(cfg), file_hash(consts)), "profile": Config.of(cfg).profile, **extra}
 
 
 def freeze_config_cmd(args) -> int:
@@ -119,6 +122,7 @@ def calibrate_cmd(args) -> int:
     from pkv.measure.calibrate import calibrate
 
     cfg = load_config(args.config)
+    check_device(Config.from_dict(cfg, args.config))
     _announce(cfg)
     constants, frame = calibrate(cfg)
     constants["config_hash"] = config_hash(cfg)
@@ -128,9 +132,40 @@ def calibrate_cmd(args) -> int:
     return 0
 
 
+# The flags that name one job of each `pkv measure` stage (pkv.config.jobs.check_job).
+JOB_FLAGS = {"serve": ("family", "max_active", "seed", "engine_set"), "isolated": ("context",),
+             "split-sensitivity": ("family", "max_active"), "b4-sweep": ("seed",), "gqa-sweep": ("group",),
+             "raggedness": ("seed",), "implementation": ("seed",), "kv-fp8": ("seed",), "mlp-proxy": ("seed",),
+             "external": (), "nsight-trace": ()}
+
+
+def check_args(cfg: dict, args) -> None:
+    """Before anything is built: the job the flags name is one of this config's, on a seed
+    its stage may use (the held-out discipline), and the profile's device is here."""
+    Config.from_dict(cfg, args.config)   # every key known: a wrong one fails here, naming the file
+    stage = {"nsight-trace": "nsight"}.get(args.stage, args.stage.replace("-", "_"))
+    flags = JOB_FLAGS[args.stage]
+    if flags:
+        check_job(cfg, stage, **{f: getattr(args, f) for f in flags})
+    check_device(cfg)
+
+
+def check_device(cfg: dict) -> None:
+    """A paper config measures on CUDA: refuse it in one line where torch sees no GPU."""
+    from pkv.config.resolve import device_of
+
+    if device_of(cfg) == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ConfigError(f"profile {Config.of(cfg).profile}: this config measures on a GPU, and torch sees none "
+                              f"(CUDA build: {torch.version.cuda or 'none'}); run the smoke profile on this machine")
+
+
 def measure_cmd(args) -> int:
     cfg = load_config(args.config)
     check_constants(cfg, args.constants)
+    check_args(cfg, args)
     _announce(cfg)
     from pkv.measure import stages as stages
     from pkv.plan.costmodel import Constants
@@ -168,10 +203,10 @@ def nsight_cmd(args) -> int:
                       "in config.yaml (or pass --config nsight=False) to run `all` without the Nsight stage")
     cfg = load_config(args.config)
     check_constants(cfg, args.constants)
-    c = cfg["nsight_capture"]
+    c = Config.from_dict(cfg, args.config).nsight_capture
     out = Path(args.out)
-    cmd = [ncu, "--clock-control", "none", "--kernel-name-base", "demangled", "--kernel-name", c["kernel_filter"],
-           "--metrics", ",".join(c["metrics"]), "--csv", "--log-file", str(out.with_suffix(".tmp.csv")),
+    cmd = [ncu, "--clock-control", "none", "--kernel-name-base", "demangled", "--kernel-name", c.kernel_filter,
+           "--metrics", ",".join(c.metrics), "--csv", "--log-file", str(out.with_suffix(".tmp.csv")),
            sys.executable, "-m", "pkv.cli", "measure", "nsight-trace", "--config", args.config,
            "--constants", args.constants, "--out", str(out.with_suffix(".run.parquet"))]
     print(" ".join(cmd), file=sys.stderr)

@@ -29,6 +29,7 @@ from pkv.engines.table import pkv_routes
 from pkv.plan.costmodel import Constants, RouteCost, estimate
 from pkv.measure.loop import Job, measure
 from pkv.config.resolve import device_of, point_key, shape_of
+from pkv.config.typed import Config
 from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
 from pkv.measure.timing import sync
 
@@ -71,22 +72,23 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(0) if device == "cuda" else "cpu (smoke stand-in for a GPU)"
 
 
-def sweep(cfg: dict, provisional: Constants) -> pd.DataFrame:
+def sweep(cfg: Config | dict, provisional: Constants) -> pd.DataFrame:
     """Every serving point on the calibration seed: baselines and both PKV routes per split."""
-    c = cfg["calibration"]
-    seed = cfg["seeds"]["calibration"]
-    shape = shape_of(cfg)
+    t = Config.of(cfg)
+    c = t.calibration
+    seed = t.seeds.calibration
+    shape = shape_of({"shape": t.to_dict()["shape"]})
     frames = []
-    for p in cfg["serving"]:
-        trace = synthetic_trace(cfg, p["family"], seed)
-        cache = build_cache(cfg, trace, shape, cfg["measure"]["holes"], seed)
-        steps = steps_of(trace, p["max_active"], c["max_steps"])
-        for split in c["split_grid"]:
-            specs = [*cfg["baselines"], *pkv_routes()]
-            engines = build_engines(specs, cache, provisional, point_key(p["family"], p["max_active"]), split)
-            job = Job("calibrate", trace.name, p["family"], p["max_active"], seed, shape.group, split)
-            frames.append(measure(job, cache, steps, engines, cfg["baselines"][0], tolerance(cfg),
-                                  cfg["measure"]["reference_every"], graph=False))
+    for p in t.serving:
+        trace = synthetic_trace(t, p.family, seed)
+        cache = build_cache(t, trace, shape, t.measure.holes, seed)
+        steps = steps_of(trace, p.max_active, c.max_steps)
+        for split in c.split_grid:
+            specs = [*t.baselines, *pkv_routes()]
+            engines = build_engines(specs, cache, provisional, point_key(p.family, p.max_active), split)
+            job = Job("calibrate", trace.name, p.family, p.max_active, seed, shape.group, split)
+            frames.append(measure(job, cache, steps, engines, t.baselines[0], tolerance(t),
+                                  t.measure.reference_every, graph=False))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -189,23 +191,25 @@ def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv
     return out
 
 
-def calibrate(cfg: dict) -> tuple[dict, pd.DataFrame]:
+def calibrate(cfg: Config | dict) -> tuple[dict, pd.DataFrame]:
     """(constants.json content, the calibration sweep's rows)."""
-    device = device_of(cfg)
-    c, policy = cfg["calibration"], cfg["policy"]
-    shape = shape_of(cfg)
+    t = Config.of(cfg)
+    device = device_of(t)
+    c = t.calibration
+    policy = t.to_dict()["policy"]   # copied into constants.json as the config has it
+    shape = shape_of({"shape": t.to_dict()["shape"]})
     measured = {
-        "beta_bytes_per_s": bandwidth(device, c["bandwidth_bytes"]),
-        "launch_overhead_s": launch_overhead(device, c["launch_samples"]),
+        "beta_bytes_per_s": bandwidth(device, c.bandwidth_bytes),
+        "launch_overhead_s": launch_overhead(device, c.launch_samples),
         "sm_count": sm_count(device),
     }
     measured["launch_measured_s"] = measured["launch_overhead_s"]
     constants = {
-        "device": device_name(device), "profile": cfg["profile"], "calibration_seed": cfg["seeds"]["calibration"],
-        **measured, "c_min": 1.0, "baseline_ctas_per_head": {b: 1.0 for b in cfg["baselines"]},
+        "device": device_name(device), "profile": t.profile, "calibration_seed": t.seeds.calibration,
+        **measured, "c_min": 1.0, "baseline_ctas_per_head": {b: 1.0 for b in t.baselines},
         "margins": policy["margins"], "supported_groups": policy["supported_groups"],
         "min_context": policy["min_context"], "min_tiles_per_split": policy["min_tiles_per_split"],
     }
-    frame = sweep(cfg, Constants.from_dict(constants))
-    constants = fit_constants(constants, frame, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
+    frame = sweep(t, Constants.from_dict(constants))
+    constants = fit_constants(constants, frame, list(t.baselines), shape.kv_bytes_per_token, shape.num_kv_heads)
     return constants, frame

@@ -1,6 +1,9 @@
 """What each pipeline stage measures, as functions of the resolved config and the frozen
 constants. Each returns one long-format frame (pkv.measure.loop.COLUMNS) plus the metadata
 its Parquet file records beside the provenance.
+
+Each stage takes the frozen config dict (or its typed view) and reads it through
+pkv.config.typed.Config, so a wrong key fails when the config is loaded, not mid-job.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pkv.engines.base import Engine
 from pkv.core.harness import StepState, decode_steps
 from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
+from pkv.config.typed import Config, KvFp8
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
@@ -48,122 +52,134 @@ def build_engines(specs: list[str], cache: PagedCache, k: Constants, point: str,
     return {spec: build_engine(spec, cache, k, point, split) for spec in specs}
 
 
-def synthetic_trace(cfg: dict, family: str, seed: int, **overrides) -> Trace:
-    return synthetic(SyntheticSpec(family, seed, **{**cfg["traces"][family], **overrides}))
+def synthetic_trace(cfg: Config | dict, family: str, seed: int, **overrides) -> Trace:
+    return synthetic(SyntheticSpec(family, seed, **{**Config.of(cfg).traces[family].given(), **overrides}))
 
 
-def external_trace(cfg: dict, path: str | Path) -> Trace:
+def external_trace(cfg: Config | dict, path: str | Path) -> Trace:
     """The request file loaded with the config's step length and recorded transform."""
-    c = cfg["external"]
-    return load_trace(path, step_ms=c["step_ms"],
-                      transform=Transform(c["prompt_scale"], max_len=c["max_len"], max_requests=c["max_requests"]))
+    c = Config.of(cfg).external
+    return load_trace(path, step_ms=c.step_ms,
+                      transform=Transform(c.prompt_scale, max_len=c.max_len, max_requests=c.max_requests))
 
 
-def build_cache(cfg: dict, trace: Trace, shape: Shape, holes: float, seed: int, fp8_policy: str = "tensor") -> PagedCache:
+def build_cache(cfg: Config | dict, trace: Trace, shape: Shape, holes: float, seed: int,
+                fp8_policy: str = "tensor") -> PagedCache:
     assignment = assign_pages(trace.total_len, shape.page_size, holes, seed)
-    return PagedCache.random(shape, assignment, device_of(cfg), seed, fp8_policy=fp8_policy)
+    return PagedCache.random(shape, assignment, device_of(Config.of(cfg)), seed, fp8_policy=fp8_policy)
 
 
 def steps_of(trace: Trace, max_active: int, max_steps: int) -> list[StepState]:
     return list(decode_steps(trace, max_active, max_steps))
 
 
-def tolerance(cfg: dict) -> Tolerance:
-    return Tolerance(cfg["tolerance"]["max_abs"], cfg["tolerance"]["mean_abs"])
+def tolerance(cfg: Config | dict) -> Tolerance:
+    t = Config.of(cfg).tolerance
+    return Tolerance(t.max_abs, t.mean_abs)
 
 
 def _meta(trace: Trace, **extra) -> dict:
     return {"trace_meta": json.dumps(trace.meta, sort_keys=True, default=str), "trace_sha256": trace.checksum(), **extra}
 
 
-def _run(cfg: dict, job: Job, trace: Trace, shape: Shape, specs: list[str], k: Constants, point: str, *,
+def _run(cfg: Config, job: Job, trace: Trace, shape: Shape, specs: list[str], k: Constants, point: str, *,
          split: int | None = None, holes: float | None = None, max_steps: int | None = None, repeats: int = 1,
-         reference_every: int | None = None, tail=None, fp8_policy: str = "tensor") -> pd.DataFrame:
-    m = cfg["measure"]
-    cache = build_cache(cfg, trace, shape, m["holes"] if holes is None else holes, job.seed, fp8_policy)
+         reference_every: int | None = None, tail=None, fp8_policy: str = "tensor",
+         graph: bool | None = None) -> pd.DataFrame:
+    m = cfg.measure
+    cache = build_cache(cfg, trace, shape, m.holes if holes is None else holes, job.seed, fp8_policy)
     engines = build_engines(specs, cache, k, point, split)
     tail_fn = tail(cache) if tail else None
-    steps = steps_of(trace, job.max_active, max_steps or m["max_steps"])
-    return measure(job, cache, steps, engines, cfg["baselines"][0], tolerance(cfg),
-                   reference_every or m["reference_every"], m["graph"], repeats, tail_fn)
+    steps = steps_of(trace, job.max_active, max_steps or m.max_steps)
+    return measure(job, cache, steps, engines, cfg.baselines[0], tolerance(cfg),
+                   reference_every or m.reference_every, m.graph if graph is None else graph, repeats, tail_fn)
 
 
-def _with_baselines(cfg: dict, specs: list[str]) -> list[str]:
-    return list(dict.fromkeys([*cfg["baselines"], *specs]))
+def _with_baselines(cfg: Config, specs) -> list[str]:
+    return list(dict.fromkeys([*cfg.baselines, *specs]))
+
+
+def _shape(cfg: Config, num_kv_heads: int | None = None) -> Shape:
+    return shape_of({"shape": cfg.to_dict()["shape"]}, num_kv_heads)
 
 
 # ---------------------------------------------------------------- stages
 
 
-def serve(cfg: dict, k: Constants, family: str, max_active: int, seed: int, engine_set: str) -> Result:
+def serve(cfg: Config | dict, k: Constants, family: str, max_active: int, seed: int, engine_set: str) -> Result:
     """Table 2: one held-out trace, every engine of the set."""
+    cfg = Config.of(cfg)
     trace = synthetic_trace(cfg, family, seed)
-    shape = shape_of(cfg)
+    shape = _shape(cfg)
     job = Job("serve", trace.name, family, max_active, seed, shape.group)
-    specs = _with_baselines(cfg, cfg["engine_sets"][engine_set])
+    specs = _with_baselines(cfg, cfg.engine_sets[engine_set])
     return _run(cfg, job, trace, shape, specs, k, point_key(family, max_active)), _meta(trace, engine_set=engine_set)
 
 
-def isolated(cfg: dict, k: Constants, context: int) -> Result:
+def isolated(cfg: Config | dict, k: Constants, context: int) -> Result:
     """Table 1: one request of `context` tokens, 50% holes; PKV over the whole split grid."""
-    c = cfg["isolated"]
-    seed = cfg["seeds"]["ablation"]
+    cfg = Config.of(cfg)
+    c = cfg.isolated
+    seed = cfg.seeds.ablation
     # decode_len 1: the single step attends over exactly `context` tokens.
     trace = Trace(f"isolated-{context}", np.zeros(1, np.int64), np.array([context - 1]), np.ones(1, np.int64),
                   {"source": "isolated", "context": context})
-    shape = shape_of(cfg)
+    shape = _shape(cfg)
     frames = []
-    split_engines = [s for s in c["engines"] if table.family(table.parse_spec(s)[0]) == "pkv"]
-    fixed = [s for s in _with_baselines(cfg, c["engines"]) if s not in split_engines]
+    split_engines = [s for s in c.engines if table.family(table.parse_spec(s)[0]) == "pkv"]
+    fixed = [s for s in _with_baselines(cfg, c.engines) if s not in split_engines]
     job = Job("isolated", trace.name, "isolated", 1, seed, shape.group)
-    frames.append(_run(cfg, job, trace, shape, fixed, k, "", holes=c["holes"], repeats=c["repeats"], reference_every=1))
-    for split in cfg["calibration"]["split_grid"]:
+    frames.append(_run(cfg, job, trace, shape, fixed, k, "", holes=c.holes, repeats=c.repeats, reference_every=1))
+    for split in cfg.calibration.split_grid:
         pkv = _with_baselines(cfg, split_engines)
         j = dataclasses.replace(job, split=split)
-        f = _run(cfg, j, trace, shape, pkv, k, "", split=split, holes=c["holes"], repeats=c["repeats"], reference_every=1)
-        frames.append(f[~f["engine"].isin(cfg["baselines"])])
+        f = _run(cfg, j, trace, shape, pkv, k, "", split=split, holes=c.holes, repeats=c.repeats, reference_every=1)
+        frames.append(f[~f["engine"].isin(cfg.baselines)])
     return pd.concat(frames, ignore_index=True), _meta(trace)
 
 
-def split_sensitivity(cfg: dict, k: Constants, family: str, max_active: int) -> Result:
+def split_sensitivity(cfg: Config | dict, k: Constants, family: str, max_active: int) -> Result:
     """Table 7: the cost-model policy at the frozen split and its neighbours, ablation seed."""
-    seed, point = cfg["seeds"]["ablation"], point_key(family, max_active)
+    cfg = Config.of(cfg)
+    seed, point = cfg.seeds.ablation, point_key(family, max_active)
     trace = synthetic_trace(cfg, family, seed)
-    shape = shape_of(cfg)
+    shape = _shape(cfg)
     kind = "bucket" if max_active == 1 else "workqueue"
     frozen = k.split(point, kind)
     frames = []
-    for split in sorted({max(1, frozen + off) for off in cfg["ablations"]["split_sensitivity"]["offsets"]}):
+    for split in sorted({max(1, frozen + off) for off in cfg.ablations.split_sensitivity.offsets}):
         job = Job("split_sensitivity", trace.name, family, max_active, seed, shape.group, split)
         frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["adaptive"]), k, point, split=split))
     return pd.concat(frames, ignore_index=True), _meta(trace, frozen_split=frozen)
 
 
-def b4_sweep(cfg: dict, k: Constants, seed: int) -> Result:
+def b4_sweep(cfg: Config | dict, k: Constants, seed: int) -> Result:
     """PersistentKV workqueue forced on B4 over a split grid (the boundary case)."""
-    c = cfg["ablations"]["b4_sweep"]
-    trace = synthetic_trace(cfg, c["family"], seed)
-    shape = shape_of(cfg)
+    cfg = Config.of(cfg)
+    c = cfg.ablations.b4_sweep
+    trace = synthetic_trace(cfg, c.family, seed)
+    shape = _shape(cfg)
     frames = []
-    for split in c["splits"]:
-        job = Job("b4_sweep", trace.name, c["family"], c["max_active"], seed, shape.group, split)
+    for split in c.splits:
+        job = Job("b4_sweep", trace.name, c.family, c.max_active, seed, shape.group, split)
         frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["pkv-workqueue"]), k,
-                           point_key(c["family"], c["max_active"]), split=split))
+                           point_key(c.family, c.max_active), split=split))
     return pd.concat(frames, ignore_index=True), _meta(trace)
 
 
-def gqa_sweep(cfg: dict, k: Constants, group: int) -> Result:
+def gqa_sweep(cfg: Config | dict, k: Constants, group: int) -> Result:
     """Table 8: G = H_qo / H_kv on a smaller trace; the router gates uncalibrated G."""
-    c = cfg["ablations"]["gqa_sweep"]
-    qo = cfg["shape"]["num_qo_heads"]
+    cfg = Config.of(cfg)
+    c = cfg.ablations.gqa_sweep
+    qo = cfg.shape.num_qo_heads
     if qo % group:
         raise ValueError(f"group {group} does not divide num_qo_heads {qo}")
-    seed = cfg["seeds"]["ablation"]
-    trace = synthetic_trace(cfg, c["family"], seed, num_requests=c["num_requests"])
-    shape = shape_of(cfg, num_kv_heads=qo // group)
-    job = Job("gqa_sweep", trace.name, c["family"], c["max_active"], seed, group)
-    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k,
-                 point_key(c["family"], c["max_active"]), max_steps=c["max_steps"])
+    seed = cfg.seeds.ablation
+    trace = synthetic_trace(cfg, c.family, seed, num_requests=c.num_requests)
+    shape = _shape(cfg, num_kv_heads=qo // group)
+    job = Job("gqa_sweep", trace.name, c.family, c.max_active, seed, group)
+    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k,
+                 point_key(c.family, c.max_active), max_steps=c.max_steps)
     return frame, _meta(trace, group=group, num_kv_heads=shape.num_kv_heads)
 
 
@@ -175,33 +191,35 @@ KV_FP8 = {"paper": _KV_FP8_PAPER,
           "smoke": {**_KV_FP8_PAPER, "max_steps": 4, "engines": ["reference", "pkv-graph"]}}
 
 
-def kv_fp8(cfg: dict, k: Constants, seed: int) -> Result:
+def kv_fp8(cfg: Config | dict, k: Constants, seed: int) -> Result:
     """FP8 KV ablation: one held-out trace served from a 16-bit cache, then from the same
     values quantized to e4m3 (`policy` scales), by every engine of the ablation; rows say
     which in `kv_dtype`."""
-    c = cfg["ablations"].get("kv_fp8", KV_FP8[cfg["profile"]])
-    specs = _with_baselines(cfg, c["engines"])
+    cfg = Config.of(cfg)
+    c = cfg.ablations.kv_fp8 or KvFp8(**{**KV_FP8[cfg.profile], "engines": tuple(KV_FP8[cfg.profile]["engines"])})
+    specs = _with_baselines(cfg, c.engines)
     refused = [s for s in specs if table.parse_spec(s)[0] not in table.fp8_readers()]
     if refused:
         raise ValueError(f"ablations.kv_fp8.engines (with baselines): {refused} do not read an FP8 KV cache; "
                          f"those that do: {list(table.fp8_readers())}")
-    trace = synthetic_trace(cfg, c["family"], seed)
+    trace = synthetic_trace(cfg, c.family, seed)
     frames = []
     for kv in ("auto", "fp8"):
-        shape = dataclasses.replace(shape_of(cfg), kv_dtype=kv)
-        job = Job("kv_fp8", trace.name, c["family"], c["max_active"], seed, shape.group)
-        frames.append(_run(cfg, job, trace, shape, specs, k, point_key(c["family"], c["max_active"]),
-                           max_steps=c.get("max_steps"), fp8_policy=c["policy"]))
-    return pd.concat(frames, ignore_index=True), _meta(trace, fp8_policy=c["policy"])
+        shape = dataclasses.replace(_shape(cfg), kv_dtype=kv)
+        job = Job("kv_fp8", trace.name, c.family, c.max_active, seed, shape.group)
+        frames.append(_run(cfg, job, trace, shape, specs, k, point_key(c.family, c.max_active),
+                           max_steps=c.max_steps, fp8_policy=c.policy))
+    return pd.concat(frames, ignore_index=True), _meta(trace, fp8_policy=c.policy)
 
 
-def ablation(cfg: dict, k: Constants, name: str, seed: int) -> Result:
+def ablation(cfg: Config | dict, k: Constants, name: str, seed: int) -> Result:
     """Raggedness (bucket vs masked vs workqueue) or the implementation switches."""
-    c = cfg["ablations"][name]
-    trace = synthetic_trace(cfg, c["family"], seed)
-    shape = shape_of(cfg)
-    job = Job(name, trace.name, c["family"], c["max_active"], seed, shape.group)
-    return _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k, point_key(c["family"], c["max_active"])), _meta(trace)
+    cfg = Config.of(cfg)
+    c = {"raggedness": cfg.ablations.raggedness, "implementation": cfg.ablations.implementation}[name]
+    trace = synthetic_trace(cfg, c.family, seed)
+    shape = _shape(cfg)
+    job = Job(name, trace.name, c.family, c.max_active, seed, shape.group)
+    return _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(c.family, c.max_active)), _meta(trace)
 
 
 def gated_mlp(shape: Shape, width: int, seed: int):
@@ -222,39 +240,41 @@ def gated_mlp(shape: Shape, width: int, seed: int):
     return make
 
 
-def mlp_proxy(cfg: dict, k: Constants, seed: int) -> Result:
+def mlp_proxy(cfg: Config | dict, k: Constants, seed: int) -> Result:
     """Table 3: attention + gated MLP tail; `layers` > 1 shares one plan per step."""
-    c = cfg["mlp_proxy"]
-    trace = synthetic_trace(cfg, c["family"], seed)
-    shape = shape_of(cfg)
+    cfg = Config.of(cfg)
+    c = cfg.mlp_proxy
+    trace = synthetic_trace(cfg, c.family, seed)
+    shape = _shape(cfg)
     frames = []
-    for layers in c["layers"]:
-        job = Job("mlp_proxy", trace.name, c["family"], c["max_active"], seed, shape.group, layers=layers)
+    for layers in c.layers:
+        job = Job("mlp_proxy", trace.name, c.family, c.max_active, seed, shape.group, layers=layers)
         frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["adaptive"]), k,
-                           point_key(c["family"], c["max_active"]), tail=gated_mlp(shape, c["width"], seed)))
-    return pd.concat(frames, ignore_index=True), _meta(trace, mlp_width=c["width"])
+                           point_key(c.family, c.max_active), tail=gated_mlp(shape, c.width, seed)))
+    return pd.concat(frames, ignore_index=True), _meta(trace, mlp_width=c.width)
 
 
-def external(cfg: dict, k: Constants, path: Path) -> Result:
+def external(cfg: Config | dict, k: Constants, path: Path) -> Result:
     """The Azure trace through the file-based trace path, with its transform recorded."""
-    c = cfg["external"]
+    cfg = Config.of(cfg)
+    c = cfg.external
     trace = external_trace(cfg, path)
-    shape = shape_of(cfg)
-    seed = cfg["seeds"]["ablation"]
-    job = Job("external", trace.name, "external", c["max_active"], seed, shape.group)
-    op = c["operating_point"]
-    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k, point_key(op["family"], op["max_active"]))
-    return frame, _meta(trace, step_ms=c["step_ms"])
+    shape = _shape(cfg)
+    seed = cfg.seeds.ablation
+    job = Job("external", trace.name, "external", c.max_active, seed, shape.group)
+    op = c.operating_point
+    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(op.family, op.max_active))
+    return frame, _meta(trace, step_ms=c.step_ms)
 
 
-def nsight_trace(cfg: dict, k: Constants) -> Result:
+def nsight_trace(cfg: Config | dict, k: Constants) -> Result:
     """The short B8 trace profiled under ncu (issue 6): same loop, no graph replay."""
-    c = cfg["nsight_capture"]
-    seed = cfg["seeds"]["ablation"]
-    trace = synthetic_trace(cfg, c["family"], seed)
-    shape = shape_of(cfg)
-    job = Job("nsight", trace.name, c["family"], c["max_active"], seed, shape.group)
-    cfg = {**cfg, "measure": {**cfg["measure"], "graph": False}}
-    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c["engines"]), k,
-                 point_key(c["family"], c["max_active"]), max_steps=c["max_steps"])
+    cfg = Config.of(cfg)
+    c = cfg.nsight_capture
+    seed = cfg.seeds.ablation
+    trace = synthetic_trace(cfg, c.family, seed)
+    shape = _shape(cfg)
+    job = Job("nsight", trace.name, c.family, c.max_active, seed, shape.group)
+    frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k,
+                 point_key(c.family, c.max_active), max_steps=c.max_steps, graph=False)
     return frame, _meta(trace)
