@@ -18,8 +18,8 @@ rule sweep_split_sensitivity:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure split-sensitivity --config {input.config} --constants {input.constants} "
-        "--family {wildcards.family} --max-active {wildcards.max_active} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure split-sensitivity --config {input.config:q} --constants {input.constants:q} "
+        "--family {wildcards.family:q} --max-active {wildcards.max_active:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule sweep_b4:
@@ -39,8 +39,8 @@ rule sweep_b4:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure b4-sweep --config {input.config} --constants {input.constants} "
-        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure b4-sweep --config {input.config:q} --constants {input.constants:q} "
+        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule sweep_gqa:
@@ -58,8 +58,8 @@ rule sweep_gqa:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure gqa-sweep --config {input.config} --constants {input.constants} "
-        "--group {wildcards.group} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure gqa-sweep --config {input.config:q} --constants {input.constants:q} "
+        "--group {wildcards.group:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule ablate_raggedness:
@@ -77,8 +77,8 @@ rule ablate_raggedness:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure raggedness --config {input.config} --constants {input.constants} "
-        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure raggedness --config {input.config:q} --constants {input.constants:q} "
+        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule ablate_implementation:
@@ -96,5 +96,5 @@ rule ablate_implementation:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure implementation --config {input.config} --constants {input.constants} "
-        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure implementation --config {input.config:q} --constants {input.constants:q} "
+        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"

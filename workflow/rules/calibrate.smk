@@ -12,7 +12,7 @@ rule freeze_config:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli freeze-config --json {params.config:q} --out {output.config} > {log} 2>&1"
+        "python3 -m pkv.cli freeze-config --json {params.config:q} --out {output.config:q} > {log:q} 2>&1"
 
 
 rule calibrate_device:
@@ -30,4 +30,4 @@ rule calibrate_device:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli calibrate --config {input.config} --out {output.constants} --raw {output.raw} > {log} 2>&1"
+        "python3 -m pkv.cli calibrate --config {input.config:q} --out {output.constants:q} --raw {output.raw:q} > {log:q} 2>&1"

@@ -17,5 +17,5 @@ rule replay_external:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure external --config {input.config} --constants {input.constants} "
-        "--trace {input.trace} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure external --config {input.config:q} --constants {input.constants:q} "
+        "--trace {input.trace:q} --out {output.parquet:q} > {log:q} 2>&1"

@@ -16,5 +16,5 @@ rule measure_isolated:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure isolated --config {input.config} --constants {input.constants} "
-        "--context {wildcards.context} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure isolated --config {input.config:q} --constants {input.constants:q} "
+        "--context {wildcards.context:q} --out {output.parquet:q} > {log:q} 2>&1"

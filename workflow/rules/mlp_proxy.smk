@@ -18,5 +18,5 @@ rule measure_mlp_proxy:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure mlp-proxy --config {input.config} --constants {input.constants} "
-        "--seed {wildcards.seed} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure mlp-proxy --config {input.config:q} --constants {input.constants:q} "
+        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"

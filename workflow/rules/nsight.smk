@@ -19,7 +19,7 @@ rule capture_nsight:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli nsight --config {input.config} --constants {input.constants} --out {output.csv} > {log} 2>&1"
+        "python3 -m pkv.cli nsight --config {input.config:q} --constants {input.constants:q} --out {output.csv:q} > {log:q} 2>&1"
 
 
 rule parse_nsight:
@@ -35,5 +35,5 @@ rule parse_nsight:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli nsight-parse --csv {input.csv} --run {input.run} --constants {input.constants} "
-        "--out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli nsight-parse --csv {input.csv:q} --run {input.run:q} --constants {input.constants:q} "
+        "--out {output.parquet:q} > {log:q} 2>&1"

@@ -18,6 +18,6 @@ rule serve_trace:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli measure serve --config {input.config} --constants {input.constants} "
-        "--family {wildcards.family} --max-active {wildcards.max_active} --seed {wildcards.seed} "
-        "--engine-set {wildcards.engine_set} --out {output.parquet} > {log} 2>&1"
+        "python3 -m pkv.cli measure serve --config {input.config:q} --constants {input.constants:q} "
+        "--family {wildcards.family:q} --max-active {wildcards.max_active:q} --seed {wildcards.seed:q} "
+        "--engine-set {wildcards.engine_set:q} --out {output.parquet:q} > {log:q} 2>&1"
