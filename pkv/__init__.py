@@ -6,8 +6,32 @@ figure jobs start without torch. The CUDA kernels and the FlashInfer baselines a
 on first use by the engines that need them.
 """
 
-__all__ = ["Shape"]
+__all__ = ["Shape", "version_line"]
 __version__ = "0.2.0"
+
+
+def version_line() -> str:
+    """What `pkv --version` prints: the package, its commit, torch, CUDA and FlashInfer (imports torch)."""
+    import subprocess
+    from importlib import metadata
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    commit = "unknown (not a git checkout)"
+    if (root / ".git").exists():
+        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        commit = done.stdout.strip() or commit
+    try:
+        import torch
+
+        torch_v, cuda = torch.__version__, torch.version.cuda or "none (CPU build of torch)"
+    except ImportError:
+        torch_v = cuda = "not installed"
+    try:
+        flashinfer = metadata.version("flashinfer-python")
+    except metadata.PackageNotFoundError:
+        flashinfer = "not installed"
+    return f"pkv {__version__} (commit {commit}; torch {torch_v}; CUDA {cuda}; FlashInfer {flashinfer})"
 
 
 def __getattr__(name: str):

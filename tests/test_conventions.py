@@ -25,7 +25,9 @@ def test_version_matches_pyproject():
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     assert pkv.__version__ == version
     done = _run("-m", "pkv", "--version")
-    assert done.returncode == 0 and done.stdout.strip() == f"pkv {version}"
+    assert done.returncode == 0 and done.stdout.startswith(f"pkv {version} (commit ")
+    for part in ("; torch ", "; CUDA ", "; FlashInfer "):
+        assert part in done.stdout
 
 
 def test_python_dash_m_pkv_is_the_pkv_command():

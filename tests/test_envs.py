@@ -39,7 +39,8 @@ def _exact(pins: dict[str, str], name: str) -> str:
 def test_every_dependency_is_in_the_env_and_inside_pyprojects_range():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins = _pins()
-    for spec in [*project["dependencies"], *project["optional-dependencies"]["gpu"]]:
+    extras = project["optional-dependencies"]
+    for spec in [*project["dependencies"], *extras["pipeline"], *extras["gpu"]]:
         name, constraint = _split(spec)
         assert name in pins, f"{name} is a pyproject dependency but not in envs/pkv.yaml"
         if pins[name].startswith("=="):

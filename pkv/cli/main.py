@@ -55,11 +55,23 @@ class Parser(argparse.ArgumentParser):
         return super().add_argument(*args, **kwargs)
 
 
+class VersionAction(argparse.Action):
+    """--version, computed only when asked for: it imports torch, which `pkv --help` must not."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version, commit, torch, CUDA and FlashInfer, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(pkv.version_line())
+        parser.exit()
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser with every command listed; only `command`'s module is imported (all of
     them when `command` is None, none for an unknown one)."""
     parser = Parser(prog="pkv", description="PersistentKV: paged decode attention experiments")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {pkv.__version__}")
+    parser.add_argument("--version", action=VersionAction)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
     modules = COMMAND_MODULES if command is None else [COMMANDS[command][0]] if command in COMMANDS else []
     for name in modules:

@@ -1,8 +1,11 @@
 """JIT build of csrc/ (torch.utils.cpp_extension + ninja), once per process.
 
-The build directory is ~/.cache/pkv/<hash>, keyed by the sources and the GPU's compute
-capability, so an edit or another GPU rebuilds and an unchanged tree loads in seconds.
-The ops land in torch.ops.pkv (decode, merge, graph_decode, read_probe).
+The sources are found inside the installed package (pkv/_csrc: copied into a wheel, a
+link to csrc/ in the checkout) or at the checkout's csrc/ (`csrc_dir`). The build
+directory is ~/.cache/pkv/<hash>, keyed by the sources, the GPU's compute capability and
+the torch and CUDA versions, so an edit, another GPU or another torch rebuilds and an
+unchanged tree loads in seconds; a build says so on stderr, with its duration.
+The ops land in torch.ops.pkv (decode, merge, graph_decode, graph_decode_paged, read_probe).
 """
 
 from __future__ import annotations
@@ -10,14 +13,25 @@ from __future__ import annotations
 import hashlib
 import os
 import shlex
+import sys
+import time
 from functools import cache
 from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).resolve().parents[2] / "csrc"
+_PACKAGE = Path(__file__).resolve().parents[1]
 SOURCES = ("binding.cpp", "pkv_decode.cu", "graph_decode.cu", "roofline.cu")
 HEADERS = ("pkv_decode.h", "graph_decode.h", "roofline.h", "ptx.cuh", "state.cuh", "attend.cuh", "attend_fp8.cuh")
+
+
+def csrc_dir() -> Path:
+    """The kernel sources: the installed package's pkv/_csrc, else the checkout's csrc/."""
+    for d in (_PACKAGE / "_csrc", _PACKAGE.parent / "csrc"):
+        if all((d / name).is_file() for name in SOURCES + HEADERS):
+            return d
+    raise FileNotFoundError(f"the CUDA sources ({', '.join(SOURCES)}) are in neither {_PACKAGE / '_csrc'} nor "
+                            f"{_PACKAGE.parent / 'csrc'}: reinstall pkv (its wheel ships them as pkv/_csrc)")
 
 
 def arch_flags(major: int, minor: int) -> list[str]:
@@ -33,10 +47,12 @@ def extra_flags() -> list[str]:
 
 
 def source_hash(capability: tuple[int, int]) -> str:
-    h = hashlib.sha256(repr((capability, extra_flags())).encode())
+    """The build key: sources, GPU, build knobs, and the torch and CUDA versions (the extension's ABI)."""
+    h = hashlib.sha256(repr((capability, extra_flags(), torch.__version__, torch.version.cuda)).encode())
+    csrc = csrc_dir()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
-        h.update((CSRC / name).read_bytes())
+        h.update((csrc / name).read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -49,16 +65,25 @@ def ops():
 
     capability = torch.cuda.get_device_capability()
     key = source_hash(capability)
+    csrc = csrc_dir()
     build = Path.home() / ".cache" / "pkv" / key
     build.mkdir(parents=True, exist_ok=True)
+    name = f"pkv_ext_{key}"
+    fresh = not (build / f"{name}.so").is_file()
+    if fresh:   # a silent minute looks like a hang
+        print(f"pkv: building the CUDA kernels for sm_{capability[0]}{capability[1]} in {build} "
+              f"(first use of this tree, torch and GPU; about 1-2 minutes)", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     load(
-        name=f"pkv_ext_{key}",
-        sources=[str(CSRC / s) for s in SOURCES],
+        name=name,
+        sources=[str(csrc / s) for s in SOURCES],
         extra_cflags=["-O3", "-std=c++17"],
         extra_cuda_cflags=["-O3", "-std=c++17", "-lineinfo", *arch_flags(*capability), *extra_flags()],
-        extra_include_paths=[str(CSRC)],
+        extra_include_paths=[str(csrc)],
         build_directory=str(build),
         is_python_module=False,
         verbose=False,
     )
+    if fresh:
+        print(f"pkv: built the CUDA kernels in {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
     return torch.ops.pkv

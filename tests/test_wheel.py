@@ -1,0 +1,68 @@
+"""The wheel: built from a copy of the tree, installed into a fresh venv, it carries csrc/ as
+pkv/_csrc (so the JIT build finds its sources outside the checkout), a kernel-only base
+install, and the API runs from it (no GPU needed: the decode runs its CPU oracle)."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from pkv.kernels.loader import HEADERS, SOURCES
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _run(*cmd, cwd):
+    done = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return done.stdout
+
+
+def _digest(folder: Path) -> dict[str, str]:
+    return {n: hashlib.sha256((folder / n).read_bytes()).hexdigest() for n in SOURCES + HEADERS}
+
+
+def test_wheel_ships_csrc_and_installs_kernel_only(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, src / name)
+    shutil.copytree(REPO / "csrc", src / "csrc")
+    shutil.copytree(REPO / "pkv", src / "pkv", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", src, "-w", tmp_path / "dist",
+         cwd=tmp_path)
+    wheel = next((tmp_path / "dist").glob("pkv-*.whl"))
+
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        meta = z.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+    assert {f"pkv/_csrc/{n}" for n in SOURCES + HEADERS} <= names
+    assert "pkv/api/op.py" in names
+    base = [line.split(": ", 1)[1] for line in meta.splitlines()
+            if line.startswith("Requires-Dist:") and "extra ==" not in line]
+    assert sorted(b.split(">")[0].split("=")[0] for b in base) == ["ninja", "numpy", "torch"]
+    assert 'snakemake>=9.0; extra == "pipeline"' in meta and "pkv[pipeline]" in meta
+    assert "flashinfer-python<0.8,>=0.7" in meta
+
+    # A fresh venv that sees the system's torch; the wheel's pkv comes first on its path.
+    venv = tmp_path / "venv"
+    _run(sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv, cwd=tmp_path)
+    python = venv / "bin" / "python"
+    _run(sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps", wheel, cwd=tmp_path)
+    probe = ("import pkv, torch\n"
+             "from pkv.kernels.loader import csrc_dir\n"
+             "from pkv.api import decode\n"
+             "kv = torch.randn(4, 2, 2, 16, 64).half()\n"
+             "out = decode(torch.randn(1, 4, 64).half(), kv, torch.arange(4, dtype=torch.int32).view(1, 4),"
+             " torch.tensor([50], dtype=torch.int32))\n"
+             "print(pkv.__file__); print(csrc_dir()); print(bool(torch.isfinite(out).all()))")
+    pkg_file, csrc, finite = _run(python, "-c", probe, cwd=tmp_path).split()
+    site = venv / "lib"
+    assert Path(pkg_file).is_relative_to(site), pkg_file
+    assert Path(csrc) == Path(pkg_file).parent / "_csrc" and not Path(csrc).is_symlink()
+    assert _digest(Path(csrc)) == _digest(REPO / "csrc")
+    assert finite == "True"
