@@ -21,7 +21,6 @@ import torch
 
 from pkv.engines.table import baselines
 
-K = 1024
 DATA = ("random", "outliers-x10", "outliers-x100", "head-spread")
 OUTLIER_CHANNELS = 4     # per KV head, the same channels for every token (as in real K caches)
 DEQUANTIZED = "dequantized"

@@ -24,13 +24,13 @@ import math
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import torch
 
 from pkv.core import io
+from pkv.measure.timing import sync
 from pkv.report.host import BAR_FACTOR, BAR_US, markdown
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import Constants, Router
@@ -74,11 +74,6 @@ def build(name: str, cache: PagedCache, k: Constants | None, point: str | None):
     return make_engine(name, cache)
 
 
-def _sync(cuda: bool) -> None:
-    if cuda:
-        torch.cuda.synchronize()
-
-
 def time_engine(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> dict:
     prep, launch, wall, route = [], [], [], []
     plan = None
@@ -86,13 +81,13 @@ def time_engine(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> 
         engine.validate = True                 # the untimed pass of pkv.measure.loop
         engine.run(q, engine.prepare(step))
         engine.validate = False
-        _sync(cuda)
+        sync("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
         plan = engine.prepare(step)
         t1 = time.perf_counter()
         engine.run(q, plan)
         t2 = time.perf_counter()
-        _sync(cuda)
+        sync("cuda" if cuda else "cpu")
         t3 = time.perf_counter()
         prep.append(t1 - t0)
         launch.append(t2 - t1)
@@ -126,11 +121,11 @@ def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
         v = flashinfer_view(engine.cache.assignment, step.request_ids, step.seq_lens)
         arrays = (torch.from_numpy(v.indptr), torch.from_numpy(v.indices).to(engine.cache.device),
                   torch.from_numpy(v.last_page_len), torch.from_numpy(np.asarray(step.seq_lens, dtype=np.int32)))
-        _sync(cuda)
+        sync("cuda" if cuda else "cpu")
         views.append(time.perf_counter() - t0)
         indptr, indices, last, lens = arrays
         qo_indptr = torch.arange(step.active + 1, dtype=torch.int32)
-        _sync(cuda)
+        sync("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
         if engine.name == "flashinfer-persistent":
             engine.wrapper.plan(qo_indptr, indptr, indices, lens, s.num_qo_heads, s.num_kv_heads, s.head_dim,
@@ -139,7 +134,7 @@ def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
             engine.wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
                                 q_data_type=dt, kv_data_type=dt)
         plans.append(time.perf_counter() - t0)
-        _sync(cuda)
+        sync("cuda" if cuda else "cpu")
     return {"raw_plan_us": 1e6 * statistics.median(plans), "view_us": 1e6 * statistics.median(views)}
 
 

@@ -18,79 +18,45 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pkv.bench.cases import Case, build_caches
+from pkv.core.units import K
 from pkv.engines.table import flashinfer, parse_spec   # the one table of engine names
 
-K = 1024
 
 
-@dataclass(frozen=True)
-class SweepCase:
-    family: str                 # homogeneous | ragged | shapes
-    name: str
-    lens: tuple[int, ...]
-    num_qo_heads: int = 32
-    num_kv_heads: int = 8
-    head_dim: int = 128
-    page_size: int = 16
-    dtype: str = "float16"
-    kv_dtype: str = "auto"      # auto (= dtype) | fp8 (e4m3)
-    fp8_policy: str = ""        # FP8 scale policy (pkv.core.fp8.POLICIES); "" for a 16-bit cache
-    point: str = ""             # the lengths' name, shared by a point's 16-bit and FP8 cases
-
-    @property
-    def batch(self) -> int:
-        return len(self.lens)
-
-    @property
-    def shape(self):
-        from pkv.core.shape import Shape
-
-        return Shape(self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size, self.dtype, self.kv_dtype)
-
-    @property
-    def group(self) -> int:
-        return self.shape.group
-
-    @property
-    def bytes(self) -> int:
-        """Useful KV bytes: every token of every row, K and V, all KV heads, read once."""
-        return sum(self.lens) * self.shape.kv_bytes_per_token
-
-
-def homogeneous(max_tokens: int = 1 << 20) -> list[SweepCase]:
+def homogeneous(max_tokens: int = 1 << 20) -> list[Case]:
     out = []
     for b in (1, 2, 4, 8, 16, 32, 64, 128):
         for ctx in (1, 2, 4, 8, 16, 32, 64, 128):
             if b * ctx * K <= max_tokens:
-                out.append(SweepCase("homogeneous", f"B{b} {ctx}K", (ctx * K,) * b))
+                out.append(Case("homogeneous", f"B{b} {ctx}K", (ctx * K,) * b))
     return out
 
 
-def ragged(seed: int = 20260622) -> list[SweepCase]:
+def ragged(seed: int = 20260622) -> list[Case]:
     rng = np.random.default_rng(seed)
     return [
-        SweepCase("ragged", "B8 bimodal 512/24K", tuple(int(x) for x in rng.choice([512, 24 * K], size=8))),
-        SweepCase("ragged", "B32 bimodal 1K/16K", tuple(int(x) for x in rng.choice([K, 16 * K], size=32))),
-        SweepCase("ragged", "B16 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=16))),
-        SweepCase("ragged", "B64 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=64))),
-        SweepCase("ragged", "1x32K + 31 short", (32 * K,) + tuple(int(x) for x in rng.integers(100, 2 * K, size=31))),
-        SweepCase("ragged", "1x128K + 7x1K", (128 * K,) + (K,) * 7),
+        Case("ragged", "B8 bimodal 512/24K", tuple(int(x) for x in rng.choice([512, 24 * K], size=8))),
+        Case("ragged", "B32 bimodal 1K/16K", tuple(int(x) for x in rng.choice([K, 16 * K], size=32))),
+        Case("ragged", "B16 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=16))),
+        Case("ragged", "B64 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=64))),
+        Case("ragged", "1x32K + 31 short", (32 * K,) + tuple(int(x) for x in rng.integers(100, 2 * K, size=31))),
+        Case("ragged", "1x128K + 7x1K", (128 * K,) + (K,) * 7),
     ]
 
 
-def shapes() -> list[SweepCase]:
+def shapes() -> list[Case]:
     out = []
     for g in (1, 4, 5, 7, 8):
         for d in (64, 128, 256):
             if d == 256 and g > 8:
                 continue
             for b, ctx in ((1, 32 * K), (16, 4 * K)):
-                out.append(SweepCase("shapes", f"G{g} d{d} B{b} {ctx // K}K", (ctx,) * b, num_qo_heads=8 * g,
+                out.append(Case("shapes", f"G{g} d{d} B{b} {ctx // K}K", (ctx,) * b, num_qo_heads=8 * g,
                                      num_kv_heads=8, head_dim=d))
     return out
 
@@ -98,12 +64,12 @@ def shapes() -> list[SweepCase]:
 FP8_KV = (("auto", ""), ("fp8", "tensor"), ("fp8", "page"))   # each point: 16-bit, then both FP8 policies
 
 
-def fp8(seed: int = 20260622) -> list[SweepCase]:
+def fp8(seed: int = 20260622) -> list[Case]:
     """The FP8 rows: B1 4K-128K, B8 32K, B64 x 2K and ragged mixes, each with a 16-bit and
     both FP8 caches over the same lengths (the ratios pair them through `point`)."""
     pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B64 2K"}
     points = [c for c in homogeneous() if c.name in pick] + ragged(seed)[:4]
-    return [SweepCase("fp8", f"{c.name} {kv if kv == 'auto' else 'fp8-' + policy}", c.lens, kv_dtype=kv,
+    return [Case("fp8", f"{c.name} {kv if kv == 'auto' else 'fp8-' + policy}", c.lens, kv_dtype=kv,
                       fp8_policy=policy, point=c.name)
             for c in points for kv, policy in FP8_KV]
 
@@ -111,24 +77,10 @@ def fp8(seed: int = 20260622) -> list[SweepCase]:
 SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes, "fp8": fp8}
 
 
-def quick() -> list[SweepCase]:
+def quick() -> list[Case]:
     pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B16 2K", "B64 2K", "B128 1K"}
     return [c for c in homogeneous() if c.name in pick] + ragged()[:3] + [
         c for c in shapes() if c.name in ("G5 d128 B1 32K", "G7 d128 B1 32K", "G4 d256 B1 32K", "G4 d64 B16 4K")]
-
-
-def build_caches(case: SweepCase, seed: int):
-    from pkv.core.cache import PagedCache
-    from pkv.core.paging import assign_pages
-
-    shape = case.shape
-    copies = int(min(8, max(2, math.ceil(1.0e9 / case.bytes))))
-    lens = np.asarray(case.lens, dtype=np.int64)
-    caches = [PagedCache.random(shape, assign_pages(lens, case.page_size, 0.5, seed + c), device="cuda", seed=seed + c,
-                                fp8_policy=case.fp8_policy or "tensor")
-              for c in range(copies)]
-    queries = [c.query(len(lens), seed + 100 + i) for i, c in enumerate(caches)]
-    return caches, queries
 
 
 def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> float:
@@ -143,7 +95,7 @@ def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> f
     return graph_us_per_call(calls, reps)
 
 
-def run_case(case: SweepCase, engines: list[str], reps: int, roofline: float, seed: int) -> list[dict]:
+def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: int) -> list[dict]:
     """Every engine spec (pkv.engines.table.parse_spec) on `case`; a row per spec, labelled by it."""
     from pkv.core.harness import StepState
 

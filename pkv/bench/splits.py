@@ -15,67 +15,45 @@ import math
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import numpy as np
 import pandas as pd
 import torch
 
 from pkv.core import io
-from pkv.core.cache import PagedCache
 from pkv.engines import make_engine, table
-from pkv.engines.common import num_sms
 from pkv.core.harness import StepState
-from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy
-from pkv.core.shape import Shape
+from pkv.bench.cases import Case, build_caches
 from pkv.bench.roofline import read_roofline
+from pkv.core.units import K
 from pkv.measure.timing import events_us, graph_us_per_call
 
-K = 1024
 PKV_ENGINES = table.names("pkv")
 BASELINES = table.names("flashinfer", "sdpa")
 SPLIT_CANDIDATES = (4, 8, 12, 16, 24, 33, 48, 66)
 
 
-@dataclass(frozen=True)
-class Case:
-    batch: int
-    seq_len: int
-    group: int
-    num_qo_heads: int = 32
-    head_dim: int = 128
-    page_size: int = 16
-    holes: float = 0.5
-    dtype: str = "float16"
-
-    @property
-    def shape(self) -> Shape:
-        return Shape(self.num_qo_heads, self.num_qo_heads // self.group, self.head_dim, self.page_size, self.dtype)
-
-    @property
-    def bytes(self) -> int:
-        """Useful KV bytes: every token of every row, K and V, all KV heads, read once."""
-        return self.batch * self.seq_len * self.shape.kv_bytes_per_token
+def uniform(batch: int, seq_len: int, group: int, num_qo_heads: int = 32) -> Case:
+    """`batch` rows of `seq_len` tokens at GQA group `group`."""
+    return Case("splits", f"B{batch} {seq_len // K}K G{group}", (seq_len,) * batch, num_qo_heads=num_qo_heads,
+                num_kv_heads=num_qo_heads // group)
 
 
 CASES = (
-    [Case(1, n * K, 4) for n in (8, 16, 32, 64)]
-    + [Case(4, 32 * K, 4), Case(8, 32 * K, 4)]
-    + [Case(8, 16 * K, g) for g in (1, 4, 8)]
+    [uniform(1, n * K, 4) for n in (8, 16, 32, 64)]
+    + [uniform(4, 32 * K, 4), uniform(8, 32 * K, 4)]
+    + [uniform(8, 16 * K, g) for g in (1, 4, 8)]
 )
 
 
 class Workload:
-    """`copies` independent caches (own K,V bytes and page permutation) of one case."""
+    """The case's rotated caches (pkv.bench.cases.build_caches) and its one decode step."""
 
-    def __init__(self, case: Case, copies: int, seed: int = 20260622):
-        lens = np.full(case.batch, case.seq_len, dtype=np.int64)
+    def __init__(self, case: Case, seed: int = 20260622):
         self.case = case
-        self.step = StepState(0, np.arange(case.batch), lens.astype(np.int32))
-        self.caches = [PagedCache.random(case.shape, assign_pages(lens, case.page_size, case.holes, seed + c),
-                                         device="cuda", seed=seed + c) for c in range(copies)]
-        self.queries = [cache.query(case.batch, seed + 100 + c) for c, cache in enumerate(self.caches)]
+        self.step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
+        self.caches, self.queries = build_caches(case, seed)
 
 
 def _graph_us(name: str, calls: list, reps: int) -> float:
@@ -129,8 +107,7 @@ def time_engine(work: Workload, name: str, splits: int | None, reps: int, sweep:
 
 
 def bench_case(case: Case, engines: list[str], reps: int, roofline: float, candidates: tuple[int, ...]) -> list[dict]:
-    copies = int(min(8, max(2, math.ceil(1.0e9 / case.bytes))))
-    work = Workload(case, copies)
+    work = Workload(case)
     rows = []
     for name in engines:
         sweep = {}
@@ -145,13 +122,13 @@ def bench_case(case: Case, engines: list[str], reps: int, roofline: float, candi
                 result = time_engine(work, name, None, reps)
         except (ValueError, RuntimeError) as err:  # e.g. a FlashInfer variant that does not run this shape
             print(f"  {name} {case}: {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
-            rows.append(dict(_case_cols(case), engine=name, error=str(err)[:500], copies=copies))
+            rows.append(dict(_case_cols(case), engine=name, error=str(err)[:500], copies=len(work.caches)))
             continue
         us = result["graph_us"] if not math.isnan(result["graph_us"]) else result["events_us"]
         gbps = case.bytes / (us * 1e-6) / 1e9
         rows.append(dict(
             _case_cols(case), engine=name, splits=best, **result, bytes=case.bytes, roofline_gbps=roofline,
-            achieved_gbps=gbps, frac_of_roofline=gbps / roofline, copies=copies,
+            achieved_gbps=gbps, frac_of_roofline=gbps / roofline, copies=len(work.caches),
             split_sweep=json.dumps({str(k): round(v, 2) for k, v in sweep.items()}), error="",
         ))
         print(f"  {name:22s} s={best:3d} graph {result['graph_us']:8.2f} us  events {result['events_us']:8.2f} us  "
@@ -162,7 +139,7 @@ def bench_case(case: Case, engines: list[str], reps: int, roofline: float, candi
 
 
 def _case_cols(case: Case) -> dict:
-    return dict(batch=case.batch, seq_len=case.seq_len, group=case.group, num_qo_heads=case.num_qo_heads,
+    return dict(batch=case.batch, seq_len=max(case.lens), group=case.group, num_qo_heads=case.num_qo_heads,
                 num_kv_heads=case.shape.num_kv_heads, head_dim=case.head_dim, page_size=case.page_size,
                 holes=case.holes, dtype=case.dtype)
 
@@ -204,7 +181,7 @@ def run_kernels(args) -> int:
     print(f"read roofline: {roofline:.0f} GB/s (sum {probes['sum']:.0f}, read probe {probes['probe']:.0f})", flush=True)
     rows = []
     for case in cases:
-        print(f"B{case.batch} {case.seq_len // K}K G{case.group}: {case.bytes / 1e6:.1f} MB", flush=True)
+        print(f"{case.name}: {case.bytes / 1e6:.1f} MB", flush=True)
         rows += bench_case(case, engines, args.reps, roofline, candidates)
     frame = pd.DataFrame(rows)
     meta = io.provenance()

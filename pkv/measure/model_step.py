@@ -61,7 +61,7 @@ import torch
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.core.io import file_hash, provenance, write_parquet
-from pkv.measure.loop import L2_FLUSH_BYTES
+from pkv.measure.timing import StepClock
 from pkv.config.resolve import config_hash, effective, load_config, point_key, resolve_profile
 from pkv.measure.stages import build_cache, external_trace, steps_of, synthetic_trace
 from pkv.core.shape import Shape
@@ -153,46 +153,6 @@ class Plan:
     constants: object = None
 
 
-class Clock:
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        if cuda:
-            self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-            self.ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-    def serial(self, runner: Runner, step: StepState, bucket: int):
-        """(output, wall_s, prepare_s, device_s) of one synchronized step, L2 flushed first."""
-        if self.cuda:
-            self.flush.zero_()
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        runner.prepare(step, bucket)
-        t1 = time.perf_counter()
-        if self.cuda:
-            self.ev[0].record()
-        out = runner.launch(step, bucket)
-        if self.cuda:
-            self.ev[1].record()
-            torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        device = self.ev[0].elapsed_time(self.ev[1]) / 1e3 if self.cuda else math.nan
-        return out, t2 - t0, t1 - t0, device
-
-    def pipelined(self, runner: Runner, steps: list[StepState], buckets: list[int]) -> float:
-        """Wall time of all steps back to back, no synchronization between them."""
-        self.sync()
-        t0 = time.perf_counter()
-        for step, bucket in zip(steps, buckets):
-            runner.prepare(step, bucket)
-            runner.launch(step, bucket)
-        self.sync()
-        return time.perf_counter() - t0
-
-
 def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(relative Frobenius error, max |diff| / max |ref|) of the real rows."""
     a, b = out.float(), ref.float()
@@ -202,7 +162,7 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 def measure_job(plan: Plan, model: DecoderModel, cache: PagedCache, job: TraceJob, max_active: int,
                 steps: list[StepState], runners: dict[str, Runner], xs: dict[int, torch.Tensor],
-                clock: Clock) -> list[dict]:
+                clock: StepClock) -> list[dict]:
     """Rows of COLUMNS: one per (step, engine), then one pipelined row per engine."""
     ms, s = model.shape, cache.shape
     labels = list(runners)
@@ -282,7 +242,7 @@ def run(plan: Plan, log=print, dropped: dict[str, str] | None = None) -> tuple[p
     cfg = plan.cfg
     cuda = cfg["profile"] != "smoke"
     dtype = cfg["shape"]["dtype"]
-    clock = Clock(cuda)
+    clock = StepClock(cuda)
     start = time.monotonic()
     models = {ms.name: DecoderModel(ms, Shape(dtype=dtype).torch_dtype, "cuda" if cuda else "cpu",
                                     cfg["seeds"]["ablation"]) for ms in plan.shapes}
@@ -305,7 +265,7 @@ def run(plan: Plan, log=print, dropped: dict[str, str] | None = None) -> tuple[p
     return frame, skipped
 
 
-def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, clock: Clock, start: float, rows: list,
+def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, clock: StepClock, start: float, rows: list,
                  skipped: list, dropped: dict, log) -> None:
     """One (trace, shape): every max_active in plan.buckets, rows appended as each job ends."""
     cfg, ms = plan.cfg, model.shape

@@ -7,6 +7,7 @@ pkv.measure.calibrate.
 - graph_s: device time of one CUDA-graph replay of run(), L2 flushed first (no host
   overhead at all).
 
+The model-level step times whole decoder steps with `StepClock` (serial and pipelined).
 Benchmarks (pkv bench kernels / splits) time many calls with `events_us` and
 `graph_us_per_call` instead: inputs rotated beyond the L2 rather than flushed.
 
@@ -101,7 +102,49 @@ class Timer:
             times.append(self.start.elapsed_time(self.end) / 1e3)
         return statistics.median(times)
 
+class StepClock:
+    """The model-level step's two timings (pkv.measure.model_step) of a runner that has
+    prepare(step, bucket) and launch(step, bucket): one synchronized step (wall, host
+    prepare, CUDA events around the launch; L2 flushed first), and a run of steps back to
+    back with no synchronization between them (pipelined wall)."""
 
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        if cuda:
+            self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+            self.ev = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def serial(self, runner, step: StepState, bucket: int):
+        """(output, wall_s, prepare_s, device_s) of one synchronized step, L2 flushed first."""
+        if self.cuda:
+            self.flush.zero_()
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        runner.prepare(step, bucket)
+        t1 = time.perf_counter()
+        if self.cuda:
+            self.ev[0].record()
+        out = runner.launch(step, bucket)
+        if self.cuda:
+            self.ev[1].record()
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        device = self.ev[0].elapsed_time(self.ev[1]) / 1e3 if self.cuda else math.nan
+        return out, t2 - t0, t1 - t0, device
+
+    def pipelined(self, runner, steps: list[StepState], buckets: list[int]) -> float:
+        """Wall time of all steps back to back, no synchronization between them."""
+        self.sync()
+        t0 = time.perf_counter()
+        for step, bucket in zip(steps, buckets):
+            runner.prepare(step, bucket)
+            runner.launch(step, bucket)
+        self.sync()
+        return time.perf_counter() - t0
 
 
 def events_us(fn: Callable[[], object]) -> float:

@@ -17,10 +17,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pkv.core.units import K
 from pkv.engines.table import flashinfer
 from pkv.core import io
 ENGINE = "pkv-graph"
-K = 1024
 
 
 def load(path: str | Path) -> tuple[pd.DataFrame, dict]:
