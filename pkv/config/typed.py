@@ -16,6 +16,7 @@ Imports nothing heavy.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import types
 import typing
@@ -276,7 +277,7 @@ def _build(kind, value, source: str, where: str):
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{source}: {where}: expected a list, got {type(value).__name__}")
         return tuple(_build(args[0], v, source, f"{where}[{i}]") for i, v in enumerate(value))
-    if origin in (Mapping, dict) or kind is Mapping:
+    if origin in (collections.abc.Mapping, dict):
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {where}: expected a mapping, got {type(value).__name__}")
         return types.MappingProxyType({k: _build(args[1], v, source, _at(where, k)) for k, v in value.items()})

@@ -1,0 +1,106 @@
+"""The typed config (pkv.config.typed): its fields are exactly the schema's keys, it loads
+the committed reference run's frozen config and the smoke config, gives the same dict
+back (so every config hash stays), and refuses an unknown or a missing key by its path."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+
+import pytest
+import yaml
+
+from pkv.config import typed
+from pkv.config.resolve import ConfigError, config_hash, effective, load_schema, resolve_profile
+from pkv.config.typed import Config
+from worktree import REPO
+
+SCHEMA = load_schema()
+CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
+
+
+def _resolve(node: dict) -> dict:
+    while "$ref" in node:
+        target = SCHEMA
+        for part in node["$ref"].removeprefix("#/").split("/"):
+            target = target[part]
+        node = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+    return node
+
+
+def _dataclass_of(kind):
+    """The dataclass a field holds (itself, in a tuple, or Optional), else None."""
+    for arg in (kind, *typing.get_args(kind)):
+        if dataclasses.is_dataclass(arg):
+            return arg
+        inner = [a for a in typing.get_args(arg) if dataclasses.is_dataclass(a)]
+        if inner:
+            return inner[0]
+    return None
+
+
+def _mismatches(cls, node: dict, where: str) -> list[str]:
+    node = _resolve(node)
+    props = node.get("properties", {})
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = [f"{where}: {k} in the schema, not in {cls.__name__}" for k in props if k not in fields]
+    out += [f"{where}: {k} in {cls.__name__}, not in the schema" for k in fields if k not in props]
+    hints = typing.get_type_hints(cls)
+    for name in set(props) & set(fields):
+        sub = _resolve(props[name])
+        inner = _dataclass_of(hints[name])
+        if sub.get("type") == "array" and isinstance(sub.get("items"), dict):
+            sub = _resolve(sub["items"])
+        if "properties" in sub:
+            if inner is None:
+                out.append(f"{where}.{name}: an object in the schema, not a dataclass")
+            else:
+                out += _mismatches(inner, sub, f"{where}.{name}")
+        elif inner is not None and sub.get("type") != "object":
+            out.append(f"{where}.{name}: a dataclass, not an object in the schema")
+    return out
+
+
+def test_fields_cover_every_schema_key_exactly():
+    top = {k: v for k, v in SCHEMA["properties"].items() if k not in ("smoke", "run")}
+    assert _mismatches(Config, {"properties": top}, "config") == []
+
+
+@pytest.mark.parametrize("source", ["reference", "smoke", "paper"])
+def test_loads_the_frozen_configs_and_gives_the_same_dict_back(source):
+    if source == "reference":
+        cfg = json.loads((REPO / "results" / "config.json").read_text())
+    else:
+        cfg = effective(CONFIG, resolve_profile(source, False))
+    t = Config.from_dict(cfg)
+    assert t.to_dict() == cfg and config_hash(t.to_dict()) == config_hash(cfg)
+    assert t.seeds.calibration == cfg["seeds"]["calibration"] and t.traces["zipf"] == t.traces.zipf
+    assert t.engine_sets["main"] == tuple(cfg["engine_sets"]["main"])
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.measure.max_steps = 1   # type: ignore[misc]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda c: c["measure"].update(max_step=4), "config: measure.max_step: unknown key (the typed config Measure has"),
+    (lambda c: c["ablations"]["gqa_sweep"].update(engine=["x"]), "config: ablations.gqa_sweep.engine: unknown key"),
+    (lambda c: c["policy"]["margins"][0].update(margn=1.0), r"config: policy.margins[0].margn: unknown key"),
+    (lambda c: c.update(extra=1), "config: extra: unknown key"),
+    (lambda c: c["seeds"].pop("ablation"), "config: seeds.ablation: missing key"),
+])
+def test_an_unknown_or_missing_key_is_refused_by_its_path(edit, message):
+    cfg = effective(CONFIG, "smoke")
+    edit(cfg)
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict(cfg)
+    assert str(e.value).startswith(message)
+
+
+def test_the_stages_read_the_config_through_it():
+    # Each migrated module reads no config key by string (the typed view refuses wrong ones).
+    import re
+
+    for rel in ("pkv/measure/stages.py", "pkv/measure/calibrate.py"):
+        text = (REPO / rel).read_text()
+        assert not re.search(r"cfg\[\"", text), rel
+    assert typed.Config.of(typed.Config.from_dict(effective(CONFIG, "smoke"))).profile == "smoke"
