@@ -35,6 +35,7 @@ from pkv.report.host import BAR_FACTOR, BAR_US, markdown
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import Constants, Router
 from pkv.engines import make_engine, table
+from pkv.engines.flashinfer import plan as flashinfer_plan
 from pkv.core.harness import StepState
 from pkv.config.resolve import device_of, load_config, shape_of
 from pkv.config.typed import Config
@@ -114,7 +115,6 @@ def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
     """FlashInfer's own plan() on the prebuilt arrays of each step, called on the wrapper
     directly; and the cost of building those arrays (the adapter does it off the timed path)."""
     s = engine.cache.shape
-    dt = s.torch_dtype
     plans, views = [], []
     for step in steps:
         t0 = time.perf_counter()
@@ -127,12 +127,8 @@ def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
         qo_indptr = torch.arange(step.active + 1, dtype=torch.int32)
         sync("cuda" if cuda else "cpu")
         t0 = time.perf_counter()
-        if engine.name == "flashinfer-persistent":
-            engine.wrapper.plan(qo_indptr, indptr, indices, lens, s.num_qo_heads, s.num_kv_heads, s.head_dim,
-                                s.head_dim, s.page_size, causal=False, q_data_type=dt, kv_data_type=dt)
-        else:
-            engine.wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
-                                q_data_type=dt, kv_data_type=dt)
+        flashinfer_plan(engine.wrapper, s, indptr, indices, last, seq_lens=lens,
+                        qo_indptr=qo_indptr if engine.name == "flashinfer-persistent" else None)
         plans.append(time.perf_counter() - t0)
         sync("cuda" if cuda else "cpu")
     return {"raw_plan_us": 1e6 * statistics.median(plans), "view_us": 1e6 * statistics.median(views)}

@@ -14,6 +14,22 @@ from pkv.core.paging import flashinfer_view
 from pkv.core.validate import check_kv
 
 
+def plan(wrapper, shape, indptr, indices, last_page_len, *, seq_lens=None, qo_indptr=None) -> None:
+    """FlashInfer's plan() for one decode step, the one call of it in the project (the
+    engine's prepare(), the host benchmark's raw plan() and the model step's graph path).
+
+    A decode wrapper takes (indptr, page ids, last_page_len); the persistent BatchAttention
+    (`qo_indptr` given) takes the query ranges and the rows' lengths instead of last_page_len."""
+    s = shape
+    dt, kvt = s.torch_dtype, s.kv_torch_dtype
+    if qo_indptr is not None:
+        wrapper.plan(qo_indptr, indptr, indices, seq_lens, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.head_dim,
+                     s.page_size, causal=False, q_data_type=dt, kv_data_type=kvt)
+    else:
+        wrapper.plan(indptr, indices, last_page_len, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
+                     q_data_type=dt, kv_data_type=kvt)
+
+
 class FlashInferEngine(Engine):
     """FlashInfer's paged decode over the same kv tensor (layout HND), planned once per step.
 
@@ -70,16 +86,9 @@ class FlashInferEngine(Engine):
     def prepare(self, step: StepState) -> Plan:
         self.check_step(step)
         indptr, indices, last, lens = self.view(step)
-        s = self.cache.shape
-        dt, kvt = s.torch_dtype, s.kv_torch_dtype
-        if self.name == "flashinfer-persistent":
-            # Host indptr/lengths (its plan reads them on the host), device page ids.
-            self.wrapper.plan(self._qo_indptr[:step.active + 1], indptr, indices, lens, s.num_qo_heads,
-                              s.num_kv_heads, s.head_dim, s.head_dim, s.page_size, causal=False,
-                              q_data_type=dt, kv_data_type=kvt)
-        else:
-            self.wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
-                              q_data_type=dt, kv_data_type=kvt)
+        # The persistent kernel's plan reads host indptr/lengths and device page ids.
+        qo = self._qo_indptr[:step.active + 1] if self.name == "flashinfer-persistent" else None
+        plan(self.wrapper, self.cache.shape, indptr, indices, last, seq_lens=lens, qo_indptr=qo)
         return Plan(step, self.name, 1, None)
 
     def run(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:

@@ -271,8 +271,9 @@ class FlashInferStaging:
 
 def _plan(wrapper, staging: FlashInferStaging, view: FlashInferView, s: Shape) -> None:
     indptr, indices, last = staging.load(view)
-    wrapper.plan(indptr, indices, last, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
-                 q_data_type=s.torch_dtype, kv_data_type=s.torch_dtype)
+    from pkv.engines.flashinfer import plan
+
+    plan(wrapper, s, indptr, indices, last)
     staging.release()
 
 
