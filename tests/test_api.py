@@ -234,6 +234,25 @@ def test_compiled_module_with_fullgraph(backend):
     assert (compiled[0][rows] - 1.0 - ref[rows]).abs().max() < 2e-3
 
 
+def test_compiled_with_dynamic_batch_and_through_the_wrapper():
+    kv, table, lens, q = make(seed=13)
+    cache = in_layout(kv, "vllm", False)
+    compiled = torch.compile(Attention(), fullgraph=True, backend="aot_eager", dynamic=True)
+    for b in (5, 3, 2):   # one graph for every batch size
+        out, _ = compiled(q[:b], cache, table[:b], lens[:b])
+        rows = lens[:b] > 0
+        ref = attention_reference(q[:b] * 0.5, kv, table[:b], lens[:b], soft_cap=5.0)
+        assert (out[rows] - 1.0 - ref[rows]).abs().max() < 2e-3
+    w = DecodeWrapper(8, table.shape[1], num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, layout="vllm",
+                      device="cpu")
+    w.update(table, lens)
+    layer = torch.compile(lambda x, c: w.run(x * 1.0, c, return_lse=True), fullgraph=True, backend="aot_eager")
+    out, lse = layer(q, cache)
+    ref, ref_lse = attention_reference(q, kv, table, lens, return_lse=True)
+    compare(torch.where(torch.as_tensor(lens > 0)[:, None, None], out, float("nan")), ref, LENS)
+    assert (lse[lens > 0] - ref_lse[lens > 0]).abs().max() < 1e-4
+
+
 def test_the_fake_kernel_refuses_at_trace_time():
     kv, table, lens, q = make(seed=9)
     with pytest.raises(Exception, match="pkv decode: the KV cache must be q's dtype"):
