@@ -33,6 +33,7 @@ include: "workflow/rules/report.smk"
 
 
 rule all:
+    """Every table and figure of this profile (pkv.report.spec, in_all), the Nsight capture and, for a run of your own, its comparison."""
     default_target: True
     input:
         final_outputs(),

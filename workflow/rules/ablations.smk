@@ -4,6 +4,7 @@
 
 
 rule sweep_split_sensitivity:
+    """Table 7: the cost-model policy at the frozen split and its neighbours on one operating point."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
@@ -23,6 +24,7 @@ rule sweep_split_sensitivity:
 
 
 rule sweep_b4:
+    """The PersistentKV workqueue forced over a split grid on the B4 boundary, one held-out seed."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
@@ -44,6 +46,7 @@ rule sweep_b4:
 
 
 rule sweep_gqa:
+    """Table 8: the serving trace at one GQA group size G."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
@@ -63,6 +66,7 @@ rule sweep_gqa:
 
 
 rule ablate_raggedness:
+    """Raggedness ablation on the ablation seed: exact buckets vs masked bucket vs workqueue."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
@@ -82,6 +86,7 @@ rule ablate_raggedness:
 
 
 rule ablate_implementation:
+    """Implementation ablations on the ablation seed: fused merge, row-local bounds, early exit, indexed Q/O."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),

@@ -2,6 +2,7 @@
 
 
 rule freeze_config:
+    """Write the resolved config (profile applied) every job reads; its hash is in every Parquet file."""
     output:
         config=out("config.json"),
     params:
@@ -16,6 +17,7 @@ rule freeze_config:
 
 
 rule calibrate_device:
+    """Fit and freeze the cost-model constants on the calibration seed only (constants.json and the sweep's Parquet)."""
     input:
         config=inp(rules.freeze_config.output.config),
     output:

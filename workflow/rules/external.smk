@@ -2,6 +2,7 @@
 
 
 rule replay_external:
+    """The external request trace (config external.path) replayed through every engine."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),

@@ -6,6 +6,7 @@
 
 
 rule bench_fp8_kernels:
+    """FP8 KV kernels: pkv-graph over an e4m3 cache against FlashInfer's FP8 and 16-bit decode (GPU only)."""
     output:
         parquet=out("raw/kernels/fp8.parquet"),
     log:
@@ -22,6 +23,7 @@ rule bench_fp8_kernels:
 
 
 rule bench_fp8_accuracy:
+    """FP8 KV accuracy: error against the FP32 reference per scale policy and engine (GPU only)."""
     output:
         parquet=out("raw/fp8/accuracy.parquet"),
     log:
@@ -37,6 +39,7 @@ rule bench_fp8_accuracy:
 
 
 rule measure_kv_fp8:
+    """FP8 KV serving ablation: one held-out trace from a 16-bit and an e4m3 cache."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),

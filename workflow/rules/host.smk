@@ -4,6 +4,7 @@
 
 
 rule bench_host:
+    """Host path per decode step per engine and batch, beside FlashInfer's raw plan()."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),

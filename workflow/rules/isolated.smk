@@ -2,6 +2,7 @@
 
 
 rule measure_isolated:
+    """Table 1: one request of CONTEXT tokens with 50% page holes, every engine, device time per call."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),

@@ -4,6 +4,7 @@
 
 
 rule bench_kernels:
+    """Kernel device time: pkv-graph against FlashInfer's decode variants over batch x context (GPU only)."""
     output:
         parquet=out("raw/kernels/sweep.parquet"),
     log:

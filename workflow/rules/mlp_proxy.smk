@@ -2,6 +2,7 @@
 
 
 rule measure_mlp_proxy:
+    """Table 3: attention plus a gated MLP tail at 1 and 32 layers, one held-out seed."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),

@@ -9,6 +9,7 @@ MODEL_STEP_FAMILIES = "bimodal,zipf"   # synthetic families of the model step (u
 
 
 rule model_step:
+    """Model-level decode step: N decoder layers in one CUDA graph per bucket, one held-out seed."""
     input:
         config=rules.freeze_config.output.config,
         constants=rules.calibrate_device.output.constants,
@@ -32,6 +33,7 @@ rule model_step:
 
 
 rule model_step_external:
+    """Model-level decode step on the external request trace."""
     input:
         config=rules.freeze_config.output.config,
         constants=rules.calibrate_device.output.constants,

@@ -4,6 +4,7 @@
 
 
 rule capture_nsight:
+    """Nsight Compute counters of the short B8 trace (needs ncu; nsight: false leaves it out)."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
@@ -23,6 +24,7 @@ rule capture_nsight:
 
 
 rule parse_nsight:
+    """Table 5's Parquet: the ncu CSV capture parsed per kernel invocation."""
     input:
         csv=inp(rules.capture_nsight.output.csv),
         run=inp(rules.capture_nsight.output.run),

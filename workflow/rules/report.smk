@@ -8,6 +8,7 @@ CAPTION = "../report/caption.rst"   # renders the rule's `caption` param
 for _name, _table in TABLE_SPECS.items():
 
     rule:
+        """A table of pkv.report.spec (Markdown), built by `pkv report --target` from Parquet."""
         name:
             f"report_{_name}"
         input:
@@ -27,6 +28,7 @@ for _name, _table in TABLE_SPECS.items():
     if _table.latex:
 
         rule:
+            """A paper table of pkv.report.spec in LaTeX, built by `pkv report --target` from Parquet."""
             name:
                 f"report_{_name}_latex"
             input:
@@ -47,6 +49,7 @@ for _name, _table in TABLE_SPECS.items():
 for _name, _figure in FIGURE_SPECS.items():
 
     rule:
+        """A figure of pkv.report.spec (PNG), built by `pkv report --target` from Parquet."""
         name:
             f"plot_{_name}"
         input:
@@ -65,6 +68,7 @@ for _name, _figure in FIGURE_SPECS.items():
 
 
 rule compare_reference:
+    """A run of your own beside the committed reference run: every table's ratios side by side."""
     input:
         comparison_inputs(),
         reference=ancient(f"{REFERENCE_ROOT}/config.json"),

@@ -2,6 +2,7 @@
 
 
 rule serve_trace:
+    """Table 2 and 4: one held-out trace of one (family, batch) operating point through one engine set."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
