@@ -8,6 +8,7 @@ only what it uses: the report and the comparison never import torch.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ from pkv.cli.args import integer, seed
 from pkv.core.io import atomic_write_text, file_hash, provenance, write_parquet
 from pkv.config.jobs import check_job
 from pkv.config.resolve import SMOKE_BANNER, ConfigError, check_constants, config_hash, load_config, write_config
+from pkv.config.stages import STAGES, by_command
 from pkv.config.typed import Config
 
 
@@ -34,38 +36,12 @@ def add_commands(sub) -> None:
 
     meas = sub.add_parser("measure", help="run one measurement job of a pipeline stage")
     msub = meas.add_subparsers(dest="stage", required=True, metavar="STAGE")
-    p = msub.add_parser("serve", help="Table 2: one held-out trace x engine set")
-    _common(p)
-    _point(p)
-    p.add_argument("--seed", type=seed, required=True)
-    p.add_argument("--engine-set", required=True)
-    p = msub.add_parser("isolated", help="Table 1: one request of CONTEXT tokens, 50%% holes")
-    _common(p)
-    p.add_argument("--context", type=integer(1), required=True)
-    p = msub.add_parser("split-sensitivity", help="Table 7: the policy at the frozen split and its neighbours")
-    _common(p)
-    _point(p)
-    p = msub.add_parser("b4-sweep", help="PersistentKV workqueue on B4 over a split grid")
-    _common(p)
-    p.add_argument("--seed", type=seed, required=True)
-    p = msub.add_parser("gqa-sweep", help="Table 8: one GQA group size G")
-    _common(p)
-    p.add_argument("--group", type=integer(1), required=True)
-    for name in ("raggedness", "implementation"):
-        p = msub.add_parser(name, help=f"the {name} ablation on one seed")
+    for stage in STAGES.values():   # the one table of stages
+        p = msub.add_parser(stage.command, help=stage.help)
         _common(p)
-        p.add_argument("--seed", type=seed, required=True)
-    p = msub.add_parser("kv-fp8", help="the FP8 KV ablation (16-bit and e4m3 cache, same trace) on one seed")
-    _common(p)
-    p.add_argument("--seed", type=seed, required=True)
-    p = msub.add_parser("mlp-proxy", help="Table 3: attention + gated MLP tail on one seed")
-    _common(p)
-    p.add_argument("--seed", type=seed, required=True)
-    p = msub.add_parser("external", help="the external (Azure) request trace")
-    _common(p)
-    p.add_argument("--trace", required=True, help="the request file named in the config")
-    p = msub.add_parser("nsight-trace", help="the short trace the nsight stage profiles")
-    _common(p)
+        for flag, kind in stage.flags:
+            p.add_argument("--" + flag.replace("_", "-"), type=FLAG_TYPES[kind], required=True,
+                           help=FLAG_HELP.get(flag))
     meas.set_defaults(func=measure_cmd)
 
     ns = sub.add_parser("nsight", help="capture the short B8 trace under Nsight Compute (ncu) to CSV")
@@ -93,9 +69,10 @@ def _common(p: argparse.ArgumentParser, constants: bool = True) -> None:
     p.add_argument("--out", required=True, help="the file this job writes (atomically)")
 
 
-def _point(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--family", required=True, help="trace family of the operating point")
-    p.add_argument("--max-active", type=integer(1), required=True, help="continuous-batching limit B of the operating point")
+# Checked types (pkv.cli.args) and help of the stage table's flag kinds (pkv.config.stages).
+FLAG_TYPES = {"seed": seed, "positive": integer(1), "text": str, "path": str}
+FLAG_HELP = {"family": "trace family of the operating point", "max_active": "continuous-batching limit B of the "
+             "operating point", "trace": "the request file named in the config"}
 
 
 def _announce(cfg: dict) -> None:
@@ -132,19 +109,14 @@ def calibrate_cmd(args) -> int:
     return 0
 
 
-# The flags that name one job of each `pkv measure` stage (pkv.config.jobs.check_job).
-JOB_FLAGS = {"serve": ("family", "max_active", "seed", "engine_set"), "isolated": ("context",),
-             "split-sensitivity": ("family", "max_active"), "b4-sweep": ("seed",), "gqa-sweep": ("group",),
-             "raggedness": ("seed",), "implementation": ("seed",), "kv-fp8": ("seed",), "mlp-proxy": ("seed",),
-             "external": (), "nsight-trace": ()}
 
 
 def check_args(cfg: dict, args) -> None:
     """Before anything is built: the job the flags name is one of this config's, on a seed
     its stage may use (the held-out discipline), and the profile's device is here."""
     Config.from_dict(cfg, args.config)   # every key known: a wrong one fails here, naming the file
-    stage = {"nsight-trace": "nsight"}.get(args.stage, args.stage.replace("-", "_"))
-    flags = JOB_FLAGS[args.stage]
+    stage, row = by_command(args.stage)
+    flags = [f for f, kind in row.flags if kind != "path"]   # the flags that name one job
     if flags:
         check_job(cfg, stage, **{f: getattr(args, f) for f in flags})
     check_device(cfg)
@@ -167,30 +139,13 @@ def measure_cmd(args) -> int:
     check_constants(cfg, args.constants)
     check_args(cfg, args)
     _announce(cfg)
-    from pkv.measure import stages as stages
     from pkv.plan.costmodel import Constants
 
     k = Constants.load(args.constants)
-    if args.stage == "serve":
-        frame, meta = stages.serve(cfg, k, args.family, args.max_active, args.seed, args.engine_set)
-    elif args.stage == "isolated":
-        frame, meta = stages.isolated(cfg, k, args.context)
-    elif args.stage == "split-sensitivity":
-        frame, meta = stages.split_sensitivity(cfg, k, args.family, args.max_active)
-    elif args.stage == "b4-sweep":
-        frame, meta = stages.b4_sweep(cfg, k, args.seed)
-    elif args.stage == "gqa-sweep":
-        frame, meta = stages.gqa_sweep(cfg, k, args.group)
-    elif args.stage in ("raggedness", "implementation"):
-        frame, meta = stages.ablation(cfg, k, args.stage, args.seed)
-    elif args.stage == "kv-fp8":
-        frame, meta = stages.kv_fp8(cfg, k, args.seed)
-    elif args.stage == "mlp-proxy":
-        frame, meta = stages.mlp_proxy(cfg, k, args.seed)
-    elif args.stage == "external":
-        frame, meta = stages.external(cfg, k, Path(args.trace))
-    else:
-        frame, meta = stages.nsight_trace(cfg, k)
+    _, row = by_command(args.stage)
+    run = getattr(importlib.import_module(row.module), row.run)
+    kwargs = {f: (Path(getattr(args, f)) if kind == "path" else getattr(args, f)) for f, kind in row.flags}
+    frame, meta = run(cfg, k, **dict(row.fixed), **kwargs)
     write_parquet(frame, args.out, _meta(args, cfg, {"stage": frame["stage"].iloc[0], **meta}))
     return 0
 

@@ -12,22 +12,11 @@ Imports nothing heavy (the Snakefile may import it at parse time).
 from __future__ import annotations
 
 from pkv.config.resolve import ConfigError, check_seed, stage_seeds
+from pkv.config.stages import STAGES
 
 # raw/<stage>/<file> of one job, from its identity (the keys of stage_jobs' dicts).
-STAGE_FILES = {
-    "calibrate": "calibration.parquet",
-    "serve": "{family}-b{max_active}-s{seed}-{engine_set}.parquet",
-    "isolated": "ctx{context}.parquet",
-    "split_sensitivity": "{family}-b{max_active}.parquet",
-    "b4_sweep": "s{seed}.parquet",
-    "gqa_sweep": "g{group}.parquet",
-    "raggedness": "s{seed}.parquet",
-    "implementation": "s{seed}.parquet",
-    "kv_fp8": "s{seed}.parquet",
-    "mlp_proxy": "s{seed}.parquet",
-    "external": "azure2023.parquet",
-    "nsight_kernels": "ncu.parquet",
-}
+STAGE_FILES = {"calibrate": "calibration.parquet", "nsight_kernels": "ncu.parquet",
+               **{name: stage.file for name, stage in STAGES.items() if stage.raw}}
 # Identity keys that are also columns of every row of the job's file (the report checks
 # that a file holds the job its name says).
 ROW_KEYS = ("family", "max_active", "seed", "group")

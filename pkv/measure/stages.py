@@ -254,11 +254,12 @@ def mlp_proxy(cfg: Config | dict, k: Constants, seed: int) -> Result:
     return pd.concat(frames, ignore_index=True), _meta(trace, mlp_width=c.width)
 
 
-def external(cfg: Config | dict, k: Constants, path: Path) -> Result:
-    """The Azure trace through the file-based trace path, with its transform recorded."""
+def external(cfg: Config | dict, k: Constants, trace: Path) -> Result:
+    """The request file `trace` (config external.path) through the file-based trace path,
+    with its transform recorded."""
     cfg = Config.of(cfg)
     c = cfg.external
-    trace = external_trace(cfg, path)
+    trace = external_trace(cfg, trace)
     shape = _shape(cfg)
     seed = cfg.seeds.ablation
     job = Job("external", trace.name, "external", c.max_active, seed, shape.group)

@@ -79,22 +79,21 @@ TABLE_SPECS = {
     "fp8_kernels": TableSpec("FP8 (e4m3) KV cache, decode kernels",
                              "pkv-graph over an FP8 cache against FlashInfer's FP8 and 16-bit decode and pkv-graph's "
                              "16-bit decode, device time, with the FP8 issue's bars as measured.", ("fp8_kernels",), (),
-                             render="fp8_kernels_md", profiles=("paper",), in_all=False),
+                             render="fp8_kernels_md", profiles=("paper",)),
     "fp8_accuracy": TableSpec("FP8 (e4m3) KV cache, accuracy",
                               "Error against the FP32 reference on the original 16-bit values per scale policy and "
                               "engine, random and outlier-channel caches.", ("fp8_accuracy",), (),
-                              render="fp8_accuracy_md", profiles=("paper",), in_all=False),
+                              render="fp8_accuracy_md", profiles=("paper",)),
     "fp8_serving": TableSpec("FP8 KV serving ablation",
                              "One held-out trace per seed from a 16-bit and an e4m3 cache, device and wall time per "
                              "step and throughput ratios over FlashInfer.", ("kv_fp8",), (), render="fp8_serving_md",
-                             profiles=("paper",), in_all=False),
+                             profiles=("paper",)),
     "host_path": TableSpec("Host path per decode step",
                            "Prepare, run launch and route µs per engine and batch, beside FlashInfer's raw plan() on "
-                           "the same arrays.", ("host",), (), render="host_path_md", in_all=False),
+                           "the same arrays.", ("host",), (), render="host_path_md"),
     "router_regret": TableSpec("Router regret",
                                "Per serving trace, the adaptive route's wall and device time against the best fixed "
-                               "route in hindsight.", ("serve", "calibration"), (), render="router_regret_md",
-                               in_all=False),
+                               "route in hindsight.", ("serve", "calibration"), (), render="router_regret_md"),
     "model_step": TableSpec("Model-level decode step",
                             "N decoder layers, one CUDA graph per batch bucket; pkv-graph (no host plan) against "
                             "FlashInfer's CUDA-graph path (plan() on the host each step), FlashInfer eager and the "
@@ -119,8 +118,7 @@ FIGURE_SPECS = {
     "kernel_ratio": FigureSpec("Faster FlashInfer decode ÷ pkv-graph, device time, over (batch, context).",
                                ("kernels",), render="kernel_ratio_png", profiles=("paper",)),
     "router_accuracy": FigureSpec("Router accuracy: the cost model's estimate against the measured time per route, "
-                                  "one panel per route.", ("serve", "calibration"), render="router_accuracy_png",
-                                  in_all=False),
+                                  "one panel per route.", ("serve", "calibration"), render="router_accuracy_png"),
     "model_step": FigureSpec("Model-level decode step time over context length, per engine, one panel per model "
                              "shape.", ("model_step",), render="model_step_png", in_all=False),
 }

@@ -10,6 +10,7 @@ sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, check_frozen, check_runnable, coerce,
                                 command_line_overrides, effective, gpu_name, load_schema, lock_folder,
                                 read_config_file, resolve_profile, run_root, validate_config, writes_results)
+from pkv.config.jobs import STAGE_FILES, stage_files
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
@@ -85,59 +86,31 @@ def inputs(paths):
     return [inp(p) for p in paths]
 
 
-def serve_outputs():
-    """One serve job per (family, max_active) point x held-out seed x engine set."""
-    return [
-        rules.serve_trace.output.parquet.format(family=p["family"], max_active=p["max_active"], seed=seed, engine_set=es)
-        for p in C["serving"]
-        for seed in HELDOUT
-        for es in sorted(C["engine_sets"])
-    ]
-
-
 def model_step_outputs():
     """The model step's Parquet files (workflow/rules/model.smk): one per held-out seed, one for the external trace."""
     return expand(rules.model_step.output.parquet, seed=HELDOUT) + [rules.model_step_external.output.parquet]
 
 
+# The stages measured outside the job grid of pkv.config.jobs: their rules' outputs.
+OTHER_STAGES = {
+    "model_step": model_step_outputs,
+    "calibration": lambda: [rules.freeze_config.output.config, *rules.calibrate_device.output],
+    "kernels": lambda: [rules.bench_kernels.output.parquet],
+    "fp8_kernels": lambda: [rules.bench_fp8_kernels.output.parquet],
+    "fp8_accuracy": lambda: [rules.bench_fp8_accuracy.output.parquet],
+    "host": lambda: [rules.bench_host.output.parquet],
+}
+
+
 def stage_outputs(stage):
-    """The Parquet (or capture) files of one raw stage, as the report reads them."""
-    a = C["ablations"]
-    if stage == "serve":
-        return serve_outputs()
-    if stage == "isolated":
-        return expand(rules.measure_isolated.output.parquet, context=C["isolated"]["contexts"])
-    if stage == "split_sensitivity":
-        return [rules.sweep_split_sensitivity.output.parquet.format(**p) for p in a["split_sensitivity"]["points"]]
-    if stage == "b4_sweep":
-        return expand(rules.sweep_b4.output.parquet, seed=HELDOUT)
-    if stage == "gqa_sweep":
-        return expand(rules.sweep_gqa.output.parquet, group=a["gqa_sweep"]["groups"])
-    if stage == "raggedness":
-        return expand(rules.ablate_raggedness.output.parquet, seed=ABLATION_SEED)
-    if stage == "implementation":
-        return expand(rules.ablate_implementation.output.parquet, seed=ABLATION_SEED)
-    if stage == "mlp_proxy":
-        return expand(rules.measure_mlp_proxy.output.parquet, seed=HELDOUT)
-    if stage == "external":
-        return [rules.replay_external.output.parquet]
-    if stage == "model_step":
-        return model_step_outputs()
-    if stage == "nsight_kernels":
-        return list(rules.parse_nsight.output) if C["nsight"] else []
-    if stage == "calibration":
-        return [rules.freeze_config.output.config, *rules.calibrate_device.output]
-    if stage == "kernels":
-        return [rules.bench_kernels.output.parquet]
-    if stage == "fp8_kernels":
-        return [rules.bench_fp8_kernels.output.parquet]
-    if stage == "fp8_accuracy":
-        return [rules.bench_fp8_accuracy.output.parquet]
-    if stage == "kv_fp8":
-        return expand(rules.measure_kv_fp8.output.parquet, seed=HELDOUT)
-    if stage == "host":
-        return [rules.bench_host.output.parquet]
-    raise ValueError(f"unknown stage {stage!r}")
+    """The Parquet (or capture) files of one raw stage, as the report reads them: for a
+    stage of the job grid, one file per job (pkv.config.jobs, the files the report
+    expects; tests check the rules write the same ones)."""
+    if stage in OTHER_STAGES:
+        return OTHER_STAGES[stage]()
+    if stage not in STAGE_FILES:
+        raise ValueError(f"unknown stage {stage!r}")
+    return [out(f"raw/{stage}/{name}") for name in stage_files(C, stage)]
 
 
 def stage_inputs(stages):

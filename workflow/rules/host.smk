@@ -20,4 +20,4 @@ rule bench_host:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli bench host --config {input.config:q} --constants {input.constants:q} "
-        "--out {output.parquet:q} --table {output.md:q} > {log:q} 2>&1"
+        "--out {output.parquet:q} > {log:q} 2>&1"

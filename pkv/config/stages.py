@@ -1,0 +1,67 @@
+"""The one table of measuring stages (`pkv measure STAGE`).
+
+Each row says what the command line, the job grid and the report need of a stage: its
+`pkv measure` subcommand and flags, the function of pkv.measure that runs one job, and
+the file one job writes under raw/<stage>/. `pkv.cli.pipeline` builds the subcommands
+and dispatches from it, `pkv.config.jobs` names each job's file from it (for the
+measuring commands' checks and the report), and workflow/rules/common.smk lists a
+stage's outputs through pkv.config.jobs. A new stage is a row here, its function, its
+job grid in pkv.config.jobs.stage_jobs and its rule.
+
+Imports nothing heavy (the Snakefile reads it at parse time).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Flag kinds (pkv.cli.args gives each its checked type): seed, positive (an integer >= 1),
+# text, path.
+_POINT = (("family", "text"), ("max_active", "positive"))
+
+
+@dataclass(frozen=True)
+class Stage:
+    command: str                          # pkv measure COMMAND
+    help: str
+    run: str                              # the function of `module` that measures one job
+    file: str                             # raw/<stage>/<file> of one job, from its flags
+    flags: tuple[tuple[str, str], ...] = ()
+    fixed: tuple[tuple[str, object], ...] = ()   # arguments the function always gets from this row
+    module: str = "pkv.measure.stages"
+    raw: bool = True       # its files are a raw stage the report reads (False: parsed into another first)
+
+
+STAGES: dict[str, Stage] = {
+    "serve": Stage("serve", "Table 2: one held-out trace x engine set", "serve",
+                   "{family}-b{max_active}-s{seed}-{engine_set}.parquet",
+                   (*_POINT, ("seed", "seed"), ("engine_set", "text"))),
+    "isolated": Stage("isolated", "Table 1: one request of CONTEXT tokens, 50%% holes", "isolated", "ctx{context}.parquet",
+                      (("context", "positive"),)),
+    "split_sensitivity": Stage("split-sensitivity", "Table 7: the policy at the frozen split and its neighbours",
+                               "split_sensitivity", "{family}-b{max_active}.parquet", _POINT),
+    "b4_sweep": Stage("b4-sweep", "PersistentKV workqueue on B4 over a split grid", "b4_sweep", "s{seed}.parquet",
+                      (("seed", "seed"),)),
+    "gqa_sweep": Stage("gqa-sweep", "Table 8: one GQA group size G", "gqa_sweep", "g{group}.parquet",
+                       (("group", "positive"),)),
+    "raggedness": Stage("raggedness", "the raggedness ablation on one seed", "ablation", "s{seed}.parquet",
+                        (("seed", "seed"),), (("name", "raggedness"),)),
+    "implementation": Stage("implementation", "the implementation ablation on one seed", "ablation", "s{seed}.parquet",
+                            (("seed", "seed"),), (("name", "implementation"),)),
+    "kv_fp8": Stage("kv-fp8", "the FP8 KV ablation (16-bit and e4m3 cache, same trace) on one seed", "kv_fp8",
+                    "s{seed}.parquet", (("seed", "seed"),)),
+    "mlp_proxy": Stage("mlp-proxy", "Table 3: attention + gated MLP tail on one seed", "mlp_proxy", "s{seed}.parquet",
+                       (("seed", "seed"),)),
+    "external": Stage("external", "the external request trace named in the config", "external", "azure2023.parquet",
+                      (("trace", "path"),)),
+    "nsight": Stage("nsight-trace", "the short trace the nsight stage profiles (under ncu: `pkv nsight`)",
+                    "nsight_trace", "ncu.run.parquet", raw=False),
+}
+
+
+def by_command(command: str) -> tuple[str, Stage]:
+    """(stage name, row) of a `pkv measure` subcommand."""
+    for name, stage in STAGES.items():
+        if stage.command == command:
+            return name, stage
+    raise ValueError(f"unknown stage command {command!r}; choose from {[s.command for s in STAGES.values()]}")
