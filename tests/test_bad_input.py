@@ -30,11 +30,13 @@ import pytest
 import yaml
 
 from pkv.config.jobs import STAGE_FILES, stage_files
-from pkv.config.resolve import (ConfigError, check_config, check_seed, config_hash, effective, load_config,
-                                load_schema, read_config_file, validate_config)
+from pkv.config.resolve import (ConfigError, check_config, config_hash, effective, load_config, load_schema,
+                                read_config_file, validate_config)
+from pkv.config.seeds import check_seed
 from pkv.core import io
 from pkv.core.io import write_parquet
-from pkv.core.traces import MAX_LEN, MAX_REQUESTS, SyntheticSpec, TraceFileError, load_trace
+from pkv.core.trace_files import TraceFileError, load_trace
+from pkv.core.traces import MAX_LEN, MAX_REQUESTS, SyntheticSpec
 from pkv.report.tables import ReportError, build_report, load
 from test_report_trust import SEEDS, _config, _serve
 from worktree import REPO, copy_worktree
@@ -365,7 +367,7 @@ def test_deep_json_and_huge_csv_fields_are_one_line(tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 1000 + "]" * 1000)
     assert one_line(pkv("trace", "show", "--file", str(deep))) == (
-        f"pkv: error: {deep}: JSON nested deeper than 64 levels (pkv.core.traces.MAX_JSON_DEPTH); a request file is "
+        f"pkv: error: {deep}: JSON nested deeper than 64 levels (pkv.core.trace_files.MAX_JSON_DEPTH); a request file is "
         "a list of flat objects")
     wide = tmp_path / "wide.csv"
     wide.write_text("prompt_len,decode_len\n4,4\n" + "1" * 200_000 + ",2\n")
@@ -399,9 +401,13 @@ def test_unknown_engine_set_is_one_line(frozen):
 def test_paper_profile_on_a_machine_without_a_gpu(tree, frozen):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has a GPU")
-    done = dry(tree, "--config", "profile=paper", "run=x")
+    # Planning it is fine (tests/test_fresh_clone.py: its report jobs run); each measuring
+    # job refuses in one line.
+    done = smk(tree, "results/runs/x/calibration/constants.json", "--config", "profile=paper", "run=x")
     assert done.returncode != 0
-    assert "config: profile paper with run x measures on a GPU, and nvidia-smi lists none" in done.stderr
+    log = (tree / "results" / "runs" / "x" / "logs" / "calibrate.log").read_text()
+    assert log.strip().splitlines()[-1].startswith("pkv: error: profile paper: this config measures on a GPU, and "
+                                                   "torch sees none") and "Traceback" not in log
     d, _ = frozen
     cfg = effective(CONFIG, "paper")
     (d / "config.json").write_text(json.dumps(cfg))
@@ -466,7 +472,7 @@ def test_a_full_disk_names_the_path(tmp_path, monkeypatch):
 
 
 def test_a_second_concurrent_run_is_told_the_folder_is_in_use(tree):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pkv.config.resolve import lock_folder; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pkv.config.workflow import lock_folder; "
                                "lock_folder('results/smoke', hold=True); print('held', flush=True); time.sleep(120)"],
                               cwd=tree, stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(tree)})
     try:

@@ -13,7 +13,8 @@ import pytest
 
 from pkv.core.harness import MAX_SIMULATED_STEPS, decode_steps, peak_active
 from pkv.core.paging import assign_pages, flashinfer_view
-from pkv.core.traces import MAX_LEN, SyntheticSpec, Trace, TraceFileError, load_trace, synthetic
+from pkv.core.trace_files import TraceFileError, load_trace
+from pkv.core.traces import MAX_LEN, SyntheticSpec, Trace, synthetic
 
 
 def write(tmp_path, name, data):

@@ -4,8 +4,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pkv.core.traces import (BUCKETS, FAMILIES, SyntheticSpec, Trace, TraceFileError, Transform, apply_transform,
-                        load_trace, synthetic)
+from pkv.core.trace_files import TraceFileError, load_trace
+from pkv.core.traces import BUCKETS, FAMILIES, SyntheticSpec, Trace, Transform, apply_transform, synthetic
 
 AZURE = Path(__file__).resolve().parents[2] / "shared" / "traces" / "azure2023" / "AzureLLMInferenceTrace_conv.csv"
 

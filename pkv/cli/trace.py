@@ -8,8 +8,8 @@ import numpy as np
 
 from pkv.cli.args import integer, positive_number, seed
 from pkv.core.harness import peak_active
-from pkv.core.traces import (FAMILIES, MAX_LEN, MAX_REQUESTS, SyntheticSpec, Trace, Transform, apply_transform,
-                             load_trace, synthetic)
+from pkv.core.trace_files import load_trace
+from pkv.core.traces import FAMILIES, MAX_LEN, MAX_REQUESTS, SyntheticSpec, Trace, Transform, apply_transform, synthetic
 
 
 def add_commands(sub) -> None:

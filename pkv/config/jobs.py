@@ -11,7 +11,8 @@ Imports nothing heavy (the Snakefile may import it at parse time).
 
 from __future__ import annotations
 
-from pkv.config.resolve import ConfigError, check_seed, stage_seeds
+from pkv.config.resolve import ConfigError
+from pkv.config.seeds import check_seed, stage_seeds
 from pkv.config.stages import STAGES
 
 # raw/<stage>/<file> of one job, from its identity (the keys of stage_jobs' dicts).

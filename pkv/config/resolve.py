@@ -23,7 +23,6 @@ import copy
 import datetime
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
@@ -47,44 +46,6 @@ FLOAT_TEXT = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$")
 
 class ConfigError(ValueError):
     """A configuration that must not run; the message is one line naming the key."""
-
-
-# ---------------------------------------------------------------- the held-out discipline
-
-# Which of the config's seeds each stage may measure on: the one definition of the seed
-# discipline, checked by check_config, by every measuring command (check_seed) and by the
-# report (a file of a stage on any other seed is refused, named). Calibration alone sees
-# the calibration seed; every other stage sees only held-out seeds (the ablation seed
-# must not be the calibration seed either).
-SEED_ROLES = {
-    "calibrate": "calibration",
-    "serve": "heldout", "b4_sweep": "heldout", "mlp_proxy": "heldout", "kv_fp8": "heldout", "model_step": "heldout",
-    "isolated": "ablation", "split_sensitivity": "ablation", "gqa_sweep": "ablation", "raggedness": "ablation",
-    "implementation": "ablation", "external": "ablation", "nsight": "ablation",
-}
-
-
-def stage_seeds(cfg: dict, stage: str) -> tuple[int, ...]:
-    """The seeds `stage` may run on under `cfg` (SEED_ROLES)."""
-    role = SEED_ROLES[stage]
-    seeds = cfg["seeds"][role]
-    return tuple(seeds) if isinstance(seeds, list) else (seeds,)
-
-
-def check_seed(cfg: dict, stage: str, seed, source: str = "--seed") -> int:
-    """`seed` if `stage` may run on it under `cfg`; else one ConfigError line naming
-    `source` (a flag, or a file of the report) and the seeds it may use."""
-    allowed = stage_seeds(cfg, stage)
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed not in allowed:
-        role = SEED_ROLES[stage]
-        if seed == cfg["seeds"]["calibration"] and role != "calibration":
-            why = "is the calibration seed, which no measurement other than calibration may use"
-        else:
-            why = "is not one of this config's seeds for the stage"
-        names = {"calibration": "the calibration seed", "heldout": "the held-out seeds seeds.heldout",
-                 "ablation": "the ablation seed seeds.ablation"}[role]
-        raise ConfigError(f"{source} {seed} {why}: {stage} runs on {names} ({', '.join(map(str, allowed))})")
-    return seed
 
 
 # ---------------------------------------------------------------- strict YAML
@@ -317,7 +278,7 @@ def check_config(cfg: dict, source: str = "config") -> None:
     """What the JSON schema cannot say; raises ConfigError (one line, naming the key)."""
     seeds = cfg["seeds"]
     cal = seeds["calibration"]
-    # SEED_ROLES: no stage but calibration may use the calibration seed.
+    # pkv.config.seeds.SEED_ROLES: no stage but calibration may use the calibration seed.
     if cal in seeds["heldout"]:
         raise ConfigError(f"{source}: seeds.calibration {cal} is also in seeds.heldout; calibration must never "
                           "see a held-out seed")
@@ -342,97 +303,6 @@ def differences(a, b, prefix: str = "") -> list[str]:
                 else [f"{prefix}.{key}" if prefix else key]
         return out
     return [] if a == b else [prefix or "(whole config)"]
-
-
-# ---------------------------------------------------------------- the workflow's checks at parse time
-
-
-def command_line_overrides(config_args: dict, configfiles, own_configfile: str | Path, schema: dict) -> dict:
-    """What the command line sets: the --configfile files other than the workflow's own
-    config.yaml (each read strictly: a duplicate key is refused), then --config, typed by
-    the schema. effective() applies it over the profile's section."""
-    own = Path(own_configfile).resolve()
-    out: dict = {}
-    for f in configfiles:
-        if Path(f).resolve() != own:
-            out = deep_merge(out, read_config_file(f))
-    return coerce(deep_merge(out, copy.deepcopy(dict(config_args))), schema)
-
-
-def check_frozen(root: str | Path, cfg: dict, reference: bool) -> None:
-    """Refuse a results folder whose frozen config.json is not what config.yaml and the
-    command line resolve to now: a hand-edited frozen config would otherwise be used by
-    every job (and a dry run would say nothing is to be done), and a changed config would
-    leave the folder's tables from the old one looking current. One folder, one config."""
-    path = Path(root, "config.json")
-    if not path.is_file():
-        return
-    frozen = _read_json(path, "frozen config")
-    diff = differences(frozen, cfg)
-    if not diff:
-        return
-    keys = f"{', '.join(diff[:6])}{' ...' if len(diff) > 6 else ''}"
-    if reference:
-        raise ConfigError(f"{path}: this config differs from the committed reference run's in {keys}; a changed "
-                          "config is a new run: name it with --config run=NAME (it goes to results/runs/NAME/)")
-    fix = "remove the folder to start over" if Path(root).as_posix() == SMOKE_ROOT else \
-        "name a new run with --config run=NAME, or remove the folder to start over"
-    raise ConfigError(f"{path}: differs from what config.yaml and the command line resolve to, in {keys} (edited "
-                      f"by hand, or the config changed since this folder was frozen); a results folder holds the "
-                      f"results of one config: {fix}")
-
-
-def check_runnable(cfg: dict, gpu: str | None, reference: bool, run: str) -> None:
-    """What would make every job of this plan fail, said before any runs."""
-    if cfg["profile"] == "paper" and gpu is None and not reference:
-        raise ConfigError(f"config: profile paper with run {run} measures on a GPU, and nvidia-smi lists none on this "
-                          "machine; run the CPU smoke profile here (--config profile=smoke)")
-    path = cfg["external"]["path"]
-    if not reference and not Path(path).is_file():
-        raise ConfigError(f"config: external.path {path}: no such file")
-
-
-_LOCKS: dict[str, int] = {}
-# Snakemake options after which the invocation writes no results (the workflow object
-# does not say at parse time whether this is a dry run).
-_NOT_WRITING = {"-n", "--dry-run", "--dryrun", "--lint", "--unlock", "--touch", "-t", "--summary", "-S",
-                "--detailed-summary", "-D", "--list-rules", "--list", "-l", "--list-target-rules", "--lt", "--dag",
-                "--rulegraph", "--filegraph", "--d3dag", "--report", "--list-changes", "--lc", "--cleanup-metadata",
-                "--cm", "--containerize", "--generate-unit-tests", "--archive", "--export-cwl", "--help", "-h",
-                "--version", "-v", "--print-compilation", "--delete-all-output", "--delete-temp-output"}
-
-
-def writes_results(argv: list[str]) -> bool:
-    """Whether a snakemake command line runs jobs (not a dry run, lint, unlock, listing...)."""
-    return not any(a in _NOT_WRITING or re.fullmatch(r"-[a-zA-Z]*n[a-zA-Z]*", a) for a in argv)
-
-
-def lock_folder(root: str | Path, hold: bool, lock_dir: str | Path = ".snakemake") -> None:
-    """Say at once that another snakemake run is writing `root` (instead of Snakemake's
-    advice to --rerun-incomplete the files that run has not finished yet). The lock is
-    an flock, released by the kernel when its process ends however it ends, so a killed
-    run never leaves it behind. `hold`: keep it for this process (a run that writes);
-    else only test it (a dry run)."""
-    import fcntl
-
-    lock = Path(lock_dir) / f"pkv-{slug(str(root))}.lock"
-    if str(lock) in _LOCKS:
-        return
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise ConfigError(f"{root}: another snakemake run (pid {holder}) is writing this results folder; wait for "
-                          f"it to finish (the lock {lock} goes with that process)") from None
-    if not hold:
-        os.close(fd)
-        return
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
-    _LOCKS[str(lock)] = fd
 
 
 # ---------------------------------------------------------------- the frozen files

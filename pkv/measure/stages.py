@@ -27,7 +27,8 @@ from pkv.config.typed import Config, KvFp8
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
-from pkv.core.traces import SyntheticSpec, Trace, Transform, load_trace, synthetic
+from pkv.core.trace_files import load_trace
+from pkv.core.traces import SyntheticSpec, Trace, Transform, synthetic
 
 Result = tuple[pd.DataFrame, dict]
 

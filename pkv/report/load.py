@@ -23,7 +23,8 @@ from pathlib import Path
 import pandas as pd
 
 from pkv.config.jobs import ROW_KEYS, stage_files
-from pkv.config.resolve import SEED_ROLES, ConfigError, check_seed, load_config
+from pkv.config.resolve import ConfigError, load_config
+from pkv.config.seeds import SEED_ROLES, check_seed
 from pkv.core.io import dict_hash, file_hash, read_meta
 from pkv.report.ratios import trace_label
 from pkv.report.spec import PER_SEED_STAGES

@@ -7,9 +7,9 @@ from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
 
-from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, check_frozen, check_runnable, coerce,
-                                command_line_overrides, effective, gpu_name, load_schema, lock_folder,
-                                read_config_file, resolve_profile, run_root, validate_config, writes_results)
+from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coerce, effective, gpu_name, load_schema,
+                                read_config_file, resolve_profile, run_root, validate_config)
+from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
 from pkv.config.jobs import STAGE_FILES, stage_files
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
@@ -43,7 +43,7 @@ ABLATION_SEED = str(C["seeds"]["ablation"])
 # one, never an older config's); a plan that cannot run fails here, before any job; and
 # a second run writing the same folder is refused at once.
 check_frozen(ROOT, C, REFERENCE)
-check_runnable(C, GPU, REFERENCE, config["run"])
+check_runnable(C, REFERENCE)
 if workflow.is_main_process:
     lock_folder(ROOT, hold=writes_results(sys.argv[1:]))
 

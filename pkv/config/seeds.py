@@ -1,0 +1,45 @@
+"""The held-out discipline: which of the config's seeds each stage may measure on.
+
+One definition, checked by check_config (pkv.config.resolve), by every measuring
+command (pkv.config.jobs.check_job) and by the report (pkv.report.load). Imports nothing
+heavy (the Snakefile reaches it at parse time through pkv.config.jobs).
+"""
+
+from __future__ import annotations
+
+from pkv.config.resolve import ConfigError
+
+# Which of the config's seeds each stage may measure on: the one definition of the seed
+# discipline, checked by check_config, by every measuring command (check_seed) and by the
+# report (a file of a stage on any other seed is refused, named). Calibration alone sees
+# the calibration seed; every other stage sees only held-out seeds (the ablation seed
+# must not be the calibration seed either).
+SEED_ROLES = {
+    "calibrate": "calibration",
+    "serve": "heldout", "b4_sweep": "heldout", "mlp_proxy": "heldout", "kv_fp8": "heldout", "model_step": "heldout",
+    "isolated": "ablation", "split_sensitivity": "ablation", "gqa_sweep": "ablation", "raggedness": "ablation",
+    "implementation": "ablation", "external": "ablation", "nsight": "ablation",
+}
+
+
+def stage_seeds(cfg: dict, stage: str) -> tuple[int, ...]:
+    """The seeds `stage` may run on under `cfg` (SEED_ROLES)."""
+    role = SEED_ROLES[stage]
+    seeds = cfg["seeds"][role]
+    return tuple(seeds) if isinstance(seeds, list) else (seeds,)
+
+
+def check_seed(cfg: dict, stage: str, seed, source: str = "--seed") -> int:
+    """`seed` if `stage` may run on it under `cfg`; else one ConfigError line naming
+    `source` (a flag, or a file of the report) and the seeds it may use."""
+    allowed = stage_seeds(cfg, stage)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed not in allowed:
+        role = SEED_ROLES[stage]
+        if seed == cfg["seeds"]["calibration"] and role != "calibration":
+            why = "is the calibration seed, which no measurement other than calibration may use"
+        else:
+            why = "is not one of this config's seeds for the stage"
+        names = {"calibration": "the calibration seed", "heldout": "the held-out seeds seeds.heldout",
+                 "ablation": "the ablation seed seeds.ablation"}[role]
+        raise ConfigError(f"{source} {seed} {why}: {stage} runs on {names} ({', '.join(map(str, allowed))})")
+    return seed
