@@ -1,7 +1,7 @@
 """The jobs a config implies, stage by stage, and the Parquet file each writes.
 
 One definition for the measuring commands (a job's flags must name one of these jobs, on
-a seed the stage may use: pkv.config.resolve.check_seed) and for the report (it reads
+a seed the stage may use: pkv.config.seeds.check_seed) and for the report (it reads
 exactly these files under raw/<stage>/, refusing any other file there by name).
 workflow/rules/*.smk name the same files as their outputs (tests/test_bad_input.py
 checks that the two agree for the paper and the smoke profile).
