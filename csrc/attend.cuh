@@ -86,6 +86,7 @@ struct Range {
   int scale_head, num_kv_heads;
   float out_scale;         // FP8: the V tensor scale, applied to the CTA's output state
   float cap_log2 = 0.f;    // logits soft cap times log2(e); 0 = off
+  unsigned long long* trace = nullptr;  // PKV_TRACE builds: this piece's trace record, or null
 };
 
 // Logits soft cap on a log2-domain logit x: c tanh(x / c) is cap tanh(s / cap) scaled by log2(e).
@@ -205,8 +206,13 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
 #pragma unroll
   for (int rh = 0; rh < kRows; ++rh) m_run[rh] = -INFINITY, l_run[rh] = 0.f;
 
+  // The prologue's page ids in one round of loads, then its copies.
+  typename KvPipe<D, false>::Pages pro[C::kStages - 1];
 #pragma unroll
-  for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pipe.pages(j));
+  for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
+#pragma unroll
+  for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
+  PKV_STAMP(a.trace, 4);  // the block-table round trip is behind us (the copies used its ids)
 
   // Q as A fragments (register khalf * kRows + rh holds row gid + 8 rh, columns
   // 16k + 8 khalf + 2 t4 ..+1; zero past G), loaded after the first KV copies are in
@@ -239,6 +245,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
     const auto next_pages = pipe.pages(j + C::kStages - 1);
     cp_async_wait<C::kStages - 2>();
     __syncwarp();
+    if (j == 0) PKV_STAMP(a.trace, 5);  // warp 0's first KV step has landed
     const uint32_t k_s = pipe.k_stage(j), v_s = pipe.v_stage(j);
 
     float s[2][kAcc];
@@ -305,6 +312,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
     __syncwarp();  // every lane is done with this stage before it is refilled
     pipe.issue(j + C::kStages - 1, next_pages);
   }
+  PKV_STAMP(a.trace, 6);  // warp 0's last step done
   cp_async_wait<0>();
 #pragma unroll
   for (int rh = 0; rh < kRows; ++rh) {

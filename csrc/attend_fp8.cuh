@@ -77,8 +77,12 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
 #pragma unroll
     for (int e = 0; e < 2; ++e) m_run[hb][e] = -INFINITY, l_run[hb][e] = 0.f;
 
+  typename KvPipe<D, true>::Pages pro[C::kStages - 1];  // the prologue's page ids in one round
 #pragma unroll
-  for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pipe.pages(j));
+  for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
+#pragma unroll
+  for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
+  PKV_STAMP(a.trace, 4);
 
   // Q^T B fragments: head 8hb + gid, dims 16p + 4t4 (+1) and 16p + 4t4 + 2 (+1); zero past
   // G. Loaded after the first KV copies are in flight so the two latencies overlap.
@@ -100,6 +104,7 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
     const auto next_pages = pipe.pages(j + C::kStages - 1);
     cp_async_wait<C::kStages - 2>();
     __syncwarp();
+    if (j == 0) PKV_STAMP(a.trace, 5);
     const uint32_t k_s = pipe.k_stage(j), v_s = pipe.v_stage(j);
 #if PKV_FP8_DIAG == 2
     if (j >= 0) {  // keep one ldmatrix so the stage is consumed, skip the math
@@ -205,6 +210,7 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
     __syncwarp();  // every lane is done with this stage before it is refilled
     pipe.issue(j + C::kStages - 1, next_pages);
   }
+  PKV_STAMP(a.trace, 6);
   cp_async_wait<0>();
 #pragma unroll
   for (int hb = 0; hb < kHB; ++hb)

@@ -105,7 +105,8 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const at::Tensor& seq_lens, const at::Tensor& req_ids, const at::Tensor& out,
                         const std::optional<at::Tensor>& lse, const at::Tensor& partial, const at::Tensor& counters,
                         int64_t num_ctas, int64_t min_tiles, const std::optional<at::Tensor>& page_scales,
-                        double k_scale, double v_scale, double sm_scale, double logits_soft_cap) {
+                        double k_scale, double v_scale, double sm_scale, double logits_soft_cap,
+                        int64_t merge) {
   check_cuda(q, "q"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
   TORCH_CHECK(k.is_cuda() && v.is_cuda() && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
@@ -164,6 +165,9 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.page_shift = 63 - __builtin_clzll(static_cast<unsigned long long>(P));
   p.num_ctas = static_cast<int>(num_ctas);
   p.min_tiles = static_cast<int>(min_tiles);
+  TORCH_CHECK(merge >= 0 && merge <= 2, "pkv.graph_decode: merge is 1 (PDL merge kernel), 2 (the same, launched "
+              "as the decode exits) or 0 (last-CTA merge)");
+  p.merge = static_cast<int>(merge);
   p.scale_log2 = static_cast<float>(M_LOG2E * sm_scale);
   p.k_scale = static_cast<float>(k_scale);
   p.v_scale = static_cast<float>(v_scale);
@@ -184,15 +188,27 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
 void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& seq_lens,
                   const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
                   const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
-                  const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale) {
+                  const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale, int64_t merge) {
   check_cuda(kv, "kv");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "pkv: kv[pages,2,Hkv,P,D] expected");
   graph_decode_paged(q, kv.select(1, 0), kv.select(1, 1), block_table, seq_lens, req_ids, out, std::nullopt, partial,
                      counters, num_ctas, min_tiles, page_scales, k_scale, v_scale,
-                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0);
+                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, merge);
 }
 
 int64_t graph_ctas_per_sm(int64_t head_dim) { return pkv::graph_decode_ctas_per_sm(static_cast<int>(head_dim)); }
+
+// PKV_TRACE builds: the phase stamps of the last launch (graph_decode.h), into a CPU int64
+// tensor of kTraceRecords x kTraceFields, and cleared on the device.
+void graph_trace(const at::Tensor& out) {
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.scalar_type() == at::kLong &&
+                  out.numel() == static_cast<int64_t>(pkv::kTraceRecords) * pkv::kTraceFields,
+              "pkv.graph_trace: a contiguous CPU int64 tensor of ", pkv::kTraceRecords, " x ", pkv::kTraceFields,
+              " expected");
+  const cudaError_t err = pkv::read_graph_trace(reinterpret_cast<unsigned long long*>(out.data_ptr<int64_t>()));
+  TORCH_CHECK(err == cudaSuccess, "pkv.graph_trace failed: ", cudaGetErrorString(err),
+              err == cudaErrorNotSupported ? " (build with PKV_NVCC_FLAGS=-DPKV_TRACE=1)" : "");
+}
 
 void read_probe(const at::Tensor& src, const at::Tensor& sink, int64_t blocks) {
   check_cuda(src, "src"); check_cuda(sink, "sink");
@@ -216,11 +232,12 @@ TORCH_LIBRARY(pkv, m) {
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
-        "float k_scale=1.0, float v_scale=1.0) -> ()");
+        "float k_scale=1.0, float v_scale=1.0, int merge=1) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
-        "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap) -> ()");
+        "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int merge=1) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
+  m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {

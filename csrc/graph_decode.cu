@@ -1,4 +1,6 @@
-// PersistentKV v4 decode: device-decided splits, one launch, last-CTA merge (graph_decode.h).
+// PersistentKV v4/v5 decode: device-decided splits; cut segments merged by a programmatic-
+// dependent merge kernel (v5, merge = 1) or by the segment's last CTA (v4, merge = 0).
+// graph_decode.h says what the launch computes.
 #include "graph_decode.h"
 
 #include "attend_fp8.cuh"
@@ -6,27 +8,35 @@
 namespace pkv {
 namespace {
 
-template <typename T, int D, int kRows, bool kFp8>
-__global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
-  using C = AttendCfg<D, kFp8>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  __shared__ int s_inc[kGraphMaxRows];  // inclusive prefix sum of tiles over rows
-  __shared__ int s_len[kGraphMaxRows];
-  __shared__ int s_req[kGraphMaxRows];  // loaded with the lengths: one dependent load less per piece
-  __shared__ int s_warp[kWarps];
-  __shared__ int s_nzw[kWarps];
-  __shared__ int s_last;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
+#if PKV_TRACE
+__device__ unsigned long long g_trace[kTraceRecords * kTraceFields];
+#endif
 
-  // 1. The step's work: tiles per row, scanned (each thread owns kPer consecutive rows).
-  constexpr int kPer = kGraphMaxRows / kThreads;
+constexpr int kMergeThreads = 128;
+// Merge kernel registers: at d 128 two merge CTAs (<= 56 registers) fit beside a full grid of
+// two decode CTAs per SM, so they are resident (their scan overlapping the decode) and load
+// 3 states a round (4 spill at 56 registers); at d 64 none fits beside three decode CTAs and at d 256 several do, so
+// there they take 8 a round.
+template <int D> struct MergeCfg {
+  static constexpr int kInFlight = D == 128 ? 3 : 8;
+  static constexpr int kMinBlocks = D == 128 ? 9 : 4;
+};
+
+// The step's tiles per row, scanned by the CTA (each thread owns kPer consecutive rows):
+// s_inc = inclusive prefix sum of tiles over rows; s_len / s_req (when given) the lengths
+// and block-table row ids. Returns total tiles and, in *nonzero, the rows of length > 0.
+template <int kThreadsT>
+__device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc, int* s_len, int* s_req, int* s_warp,
+                                         int* s_nzw, int* nonzero) {
+  constexpr int kW = kThreadsT / 32;
+  constexpr int kPer = kGraphMaxRows / kThreadsT;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = p.num_rows;
   int len[kPer], req[kPer], inc[kPer], run = 0, nz = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) {
+  for (int i = 0; i < kPer; ++i) {  // every load of the scan in one round
     const int r = tid * kPer + i;
     len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
-    req[i] = r < R ? __ldg(p.req_ids + r) : 0;
+    req[i] = s_req != nullptr && r < R ? __ldg(p.req_ids + r) : 0;
   }
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
@@ -45,53 +55,110 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   if (lane == 31) s_warp[warp] = x;
   if (lane == 0) s_nzw[warp] = nz;
   __syncthreads();
-  int before = x - run, total = 0, s_nz = 0;
+  int before = x - run, total = 0, all_nz = 0;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
+  for (int w = 0; w < kW; ++w) {
     before += w < warp ? s_warp[w] : 0;
     total += s_warp[w];
-    s_nz += s_nzw[w];
+    all_nz += s_nzw[w];
   }
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     s_inc[tid * kPer + i] = before + inc[i];
-    s_len[tid * kPer + i] = len[i];
-    s_req[tid * kPer + i] = req[i];
+    if (s_len != nullptr) s_len[tid * kPer + i] = len[i];
+    if (s_req != nullptr) s_req[tid * kPer + i] = req[i];
   }
   __syncthreads();
+  *nonzero = all_nz;
+  return total;
+}
+
+// floor(x / d) for x >= 0, d > 0: an unsigned 32-bit division whenever both fit (every step
+// of up to ~16M work units), else the 64-bit one. (PKV_TRACE put the cut's emulated 64-bit
+// divisions, ~300 clocks each in a dependent chain, before the first block-table load; a
+// double quotient was slower still: docs/perf-notes.md, v5.)
+__device__ __forceinline__ int64_t floor_div(int64_t x, int64_t d) {
+  if (x <= 0xffffffffLL && d <= 0xffffffffLL) return static_cast<uint32_t>(x) / static_cast<uint32_t>(d);
+  return x / d;
+}
+
+// CTAs that get work (pkv.device_schedule.active_ctas): at most the grid, no range under
+// min_tiles; with fewer segments than CTAs, a multiple of the segment count (CTA ranges
+// cut segments alike and no CTA straddles two).
+__device__ __forceinline__ int active_ctas(int64_t W, int segments, const GraphDecodeParams& p) {
+  const int64_t want = floor_div(W + p.min_tiles - 1, p.min_tiles);
+  int n = static_cast<int>(want < p.num_ctas ? want : p.num_ctas);
+  if (segments > 0 && segments <= n) n = n / segments * segments;
+  return n;
+}
+
+// First row whose units end past unit u (binary search over the scanned prefix sums).
+__device__ __forceinline__ int row_of(const int* s_inc, int R, int H, int64_t u) {
+  int r = 0, r1 = R - 1;
+  while (r < r1) {
+    const int mid = (r + r1) >> 1;
+    if (static_cast<int64_t>(H) * s_inc[mid] > u) r1 = mid; else r = mid + 1;
+  }
+  return r;
+}
+
+template <typename T, int D, int kRows, bool kFp8>
+__global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
+  using C = AttendCfg<D, kFp8>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int s_inc[kGraphMaxRows];  // inclusive prefix sum of tiles over rows
+  __shared__ int s_len[kGraphMaxRows];
+  __shared__ int s_req[kGraphMaxRows];  // loaded with the lengths: one dependent load less per piece
+  __shared__ int s_warp[kWarps];
+  __shared__ int s_nzw[kWarps];
+  __shared__ int s_last;
+#if PKV_TRACE
+  unsigned long long* rec = g_trace + static_cast<int64_t>(blockIdx.x) * kTraceFields;
+  if (threadIdx.x == 0 && blockIdx.x < kTraceCtas) rec[0] = globaltimer_ns();
+  if (blockIdx.x >= kTraceCtas) rec = nullptr;
+  PKV_STAMP(rec, 1);
+#else
+  unsigned long long* const rec = nullptr;
+#endif
+  // v5: let the merge kernel launch now (it scans the lengths while this grid runs and
+  // waits for this grid's completion before it reads a state). merge = 2 (an ablation):
+  // no early trigger, the merge grid launches as the decode CTAs exit.
+  if (p.merge == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const int tid = threadIdx.x;
+  const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
+
+  // 1. The step's work: tiles per row, scanned.
+  int nonzero;
+  const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero);
+  PKV_STAMP(rec, 2);
 
   // 2. This CTA's range of work units (unit = one tile of one KV head; segment (r, h)
   //    holds units [H*exc_r + h*tiles_r, +tiles_r)). Balanced to one tile.
   const int64_t W = static_cast<int64_t>(total) * H;
-  // CTAs: at most the grid, no range under min_tiles; with fewer segments than CTAs, a
-  // multiple of the segment count (so CTA ranges cut segments alike and no CTA straddles two).
-  const int64_t want = (W + p.min_tiles - 1) / p.min_tiles;
-  int n = static_cast<int>(want < p.num_ctas ? want : p.num_ctas);
-  const int segments = s_nz * H;
-  if (segments > 0 && segments <= n) n = n / segments * segments;
+  const int n = active_ctas(W, nonzero * H, p);
   const int j = blockIdx.x;
-  if (j >= n) return;
-  const int64_t lo = j * W / n, hi = (j + 1) * W / n;
-  auto cta_of = [&](int64_t u) { return static_cast<int>(((u + 1) * n - 1) / W); };  // CTA whose range holds u
-
-  int r = 0;
-  {
-    int r1 = R - 1;  // first row whose units end past lo
-    while (r < r1) {
-      const int mid = (r + r1) >> 1;
-      if (static_cast<int64_t>(H) * s_inc[mid] > lo) r1 = mid; else r = mid + 1;
-    }
+  if (j >= n) {
+#if PKV_TRACE
+    if (rec != nullptr && tid == 0) rec[9] = globaltimer_ns(), rec[10] = 0;
+#endif
+    return;
   }
+  const int64_t lo = floor_div(j * W, n), hi = floor_div((j + 1) * W, n);
+  auto cta_of = [&](int64_t u) { return static_cast<int>(floor_div((u + 1) * n - 1, W)); };  // CTA whose range holds u
+
+  int r = row_of(s_inc, R, H, lo);
   const int num_slots = 2 * p.num_ctas;
   float* part_m = p.partial;
   float* part_l = p.partial + static_cast<int64_t>(num_slots) * G;
   float* part_acc = p.partial + acc_offset(num_slots, G);
+  PKV_STAMP(rec, 3);
+  int pieces = 0, merged = 0, first_tokens = 0;
 
   for (int64_t u = lo; u < hi;) {
     while (static_cast<int64_t>(H) * s_inc[r] <= u) ++r;
     const int exc = r ? s_inc[r - 1] : 0, tiles = s_inc[r] - exc;
     const int64_t row_base = static_cast<int64_t>(H) * exc;
-    const int h = static_cast<int>((u - row_base) / tiles);
+    const int h = static_cast<int>(static_cast<uint32_t>(u - row_base) / static_cast<uint32_t>(tiles));
     const int64_t seg_begin = row_base + static_cast<int64_t>(h) * tiles, seg_end = seg_begin + tiles;
     const int64_t piece_end = hi < seg_end ? hi : seg_end;
     const int j0 = cta_of(seg_begin), j1 = cta_of(seg_end - 1);
@@ -119,6 +186,9 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.scale_head = h;
     a.num_kv_heads = H;
     a.out_scale = p.v_scale;
+    a.trace = pieces == 0 ? rec : nullptr;
+    if (pieces == 0) first_tokens = a.t_end - a.t_begin;
+    ++pieces;
 
     T* out = reinterpret_cast<T*>(p.out) + qo;
     auto attend = [&](auto&& emit) {
@@ -130,6 +200,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         Mma<T>::store2(out + e, a0 / den, a1 / den);
         if (p.lse != nullptr && e % D == 0) p.lse[qo / D + hh] = lse_of(mx, den);
       });
+      if (pieces == 1) PKV_STAMP(rec, 7);
     } else {
       attend([&](int e, int hh, float a0, float a1, float mx, float den) {
         *reinterpret_cast<float2*>(part_acc + static_cast<int64_t>(slot) * G * D + e) = make_float2(a0, a1);
@@ -138,30 +209,236 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
           part_l[slot * G + hh] = den;
         }
       });
-      // Publish the state, then count in; the last of the segment's CTAs merges. (The
-      // barrier orders every thread's stores before thread 0's fence: CUTLASS's semaphore.)
-      __syncthreads();
-      int* counter = p.counters + r * H + h;
-      if (tid == 0) {
-        __threadfence();
-        s_last = atomicAdd(counter, 1) == j1 - j0;
+      if (pieces == 1) PKV_STAMP(rec, 7);
+      if (!p.merge) {
+        // v4: publish the state, then count in; the last of the segment's CTAs merges. (The
+        // barrier orders every thread's stores before thread 0's fence: CUTLASS's semaphore.)
+        __syncthreads();
+        int* counter = p.counters + r * H + h;
+        if (tid == 0) {
+          __threadfence();
+          s_last = atomicAdd(counter, 1) == j1 - j0;
+        }
+        __syncthreads();
+        if (s_last) {
+          __threadfence();
+          const int first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
+          constexpr int kRedBytes = kThreads * 16;  // s_red at the end of the idle pipeline buffers
+          merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
+                                   [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
+                                   reinterpret_cast<float*>(smem), (C::kSmem - kRedBytes) / 4,
+                                   reinterpret_cast<float4*>(smem + (C::kSmem - kRedBytes)),
+                                   p.lse != nullptr ? p.lse + qo / D : nullptr);
+          if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
+          ++merged;
+        }
+        __syncthreads();
       }
-      __syncthreads();
-      if (s_last) {
-        __threadfence();
-        const int first = j0 * W / n == seg_begin ? 2 * j0 : 2 * j0 + 1;
-        constexpr int kRedBytes = kThreads * 16;  // s_red at the end of the idle pipeline buffers
-        merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
-                                 [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
-                                 reinterpret_cast<float*>(smem), (C::kSmem - kRedBytes) / 4,
-                                 reinterpret_cast<float4*>(smem + (C::kSmem - kRedBytes)),
-                                 p.lse != nullptr ? p.lse + qo / D : nullptr);
-        if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
-      }
-      __syncthreads();
     }
     u = piece_end;
   }
+#if PKV_TRACE
+  if (rec != nullptr && tid == 0) {
+    rec[8] = clock_now();
+    rec[9] = globaltimer_ns();
+    rec[10] = 1 | (static_cast<unsigned long long>(pieces) << 8) | (static_cast<unsigned long long>(merged) << 24);
+    rec[11] = static_cast<unsigned long long>(first_tokens);
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;\n" : "=r"(smid));
+    rec[12] = smid;
+  }
+#endif
+  (void)merged, (void)first_tokens;
+}
+
+// v5 merge, a programmatic dependent of the decode grid. Merge CTA j repeats the decode's
+// cut (same lengths, same rule) before waiting, so its job is known when the states land:
+// the segment holding unit lo_j, when that segment is cut across CTAs j0..j1 and j > j0.
+// Each of the CTAs j0+1..j1 of a cut segment merges one of j1 - j0 equal slices of the
+// segment's G * D / 4 float4 columns; its threads split the slice's columns and the
+// segment's j1 - j0 + 1 states, load m, l and acc of a round of states together, fold them
+// online and reduce a column's thread group by shuffles. The CTA keeps no per-row array
+// (its row is found from the prefix sums in registers): ~100 B of shared memory, so merge
+// CTAs stay resident beside a full decode grid (MergeCfg).
+template <typename T, int D>
+__global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_merge_kernel(const GraphDecodeParams p) {
+  constexpr int kW = kMergeThreads / 32, kPer = kGraphMaxRows / kMergeThreads;
+  __shared__ int s_warp[kW], s_nzw[kW], s_job[3];  // s_job: row, tiles before it, its tiles
+#if PKV_TRACE
+  unsigned long long* rec = g_trace + static_cast<int64_t>(kTraceCtas + blockIdx.x) * kTraceFields;
+  if (threadIdx.x == 0 && blockIdx.x < kTraceCtas) rec[0] = globaltimer_ns();
+  if (blockIdx.x >= kTraceCtas) rec = nullptr;
+  PKV_STAMP(rec, 1);
+#else
+  unsigned long long* const rec = nullptr;
+  (void)rec;
+#endif
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = p.num_rows;
+  const int H = p.num_kv_heads, G = p.group, Hq = H * G;
+  // The decode's scan (scan_step), keeping each thread's inclusive prefix sums in registers.
+  int inc[kPer], run = 0, nz = 0;
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {
+    const int r = tid * kPer + i;
+    const int len = r < R ? __ldg(p.seq_lens + r) : 0;
+    run += (len + kTile - 1) / kTile;
+    nz += len > 0;
+    inc[i] = run;
+  }
+  int x = run;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+#pragma unroll
+  for (int o = 16; o; o >>= 1) nz += __shfl_xor_sync(0xffffffffu, nz, o);
+  if (lane == 31) s_warp[warp] = x;
+  if (lane == 0) s_nzw[warp] = nz;
+  if (tid == 0) s_job[0] = -1;
+  __syncthreads();
+  int before = x - run, total = 0, all_nz = 0;
+#pragma unroll
+  for (int w = 0; w < kW; ++w) {
+    before += w < warp ? s_warp[w] : 0;
+    total += s_warp[w];
+    all_nz += s_nzw[w];
+  }
+  const int64_t W = static_cast<int64_t>(total) * H;
+  const int n = active_ctas(W, all_nz * H, p);
+  const int j = blockIdx.x;
+  const int64_t lo = j > 0 && j < n ? floor_div(j * W, n) : -1;
+  if (lo >= 0) {  // the row whose units hold lo: exactly one (row, thread) sees it
+    int prev = before;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const int cur = before + inc[i];
+      if (static_cast<int64_t>(H) * prev <= lo && lo < static_cast<int64_t>(H) * cur)
+        s_job[0] = tid * kPer + i, s_job[1] = prev, s_job[2] = cur - prev;
+      prev = cur;
+    }
+  }
+  __syncthreads();
+  bool job = s_job[0] >= 0;
+  int r = 0, h = 0, j0 = 0, j1 = 0, first = 0;
+  if (job) {
+    r = s_job[0];
+    const int exc = s_job[1], tiles = s_job[2];
+    const int64_t row_base = static_cast<int64_t>(H) * exc;
+    h = static_cast<int>(static_cast<uint32_t>(lo - row_base) / static_cast<uint32_t>(tiles));
+    const int64_t seg_begin = row_base + static_cast<int64_t>(h) * tiles, seg_end = seg_begin + tiles;
+    j0 = static_cast<int>(floor_div((seg_begin + 1) * n - 1, W));
+    j1 = static_cast<int>(floor_div(seg_end * n - 1, W));
+    first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
+    job = j0 < j1 && j > j0;
+  }
+  PKV_STAMP(rec, 2);
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the decode grid is complete, its states visible
+  PKV_STAMP(rec, 3);
+  if (job) {
+    constexpr int kIF = MergeCfg<D>::kInFlight;
+    const int num_slots = 2 * p.num_ctas;
+    const float* m = p.partial;
+    const float* l = p.partial + static_cast<int64_t>(num_slots) * G;
+    const float4* acc = reinterpret_cast<const float4*>(p.partial + acc_offset(num_slots, G));
+    const int states = j1 - j0 + 1, slices = j1 - j0, k = j - j0 - 1;
+    const int cols = G * D / 4;
+    const int c_lo = k * cols / slices, c_hi = (k + 1) * cols / slices, cs = c_hi - c_lo;
+    T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(r) * Hq + h * G) * D;
+    auto slot_of = [&](int s) { return static_cast<int64_t>(s == 0 ? first : 2 * (j0 + s)); };
+    auto fold = [](float& mx, float& den, float4& sum, float m2, float d2, float4 a2) {
+      const float mn = fmaxf(mx, m2), w1 = rescale(mx, mn), w2 = rescale(m2, mn);
+      den = w1 * den + w2 * d2;
+      sum.x = w1 * sum.x + w2 * a2.x, sum.y = w1 * sum.y + w2 * a2.y;
+      sum.z = w1 * sum.z + w2 * a2.z, sum.w = w1 * sum.w + w2 * a2.w;
+      mx = mn;
+    };
+    const int lse_at = r * Hq + h * G;   // the segment's first head in lse (read from p: no live pointer)
+    auto store = [&](int c, float mx, float den, float4 sum) {
+      const float inv = 1.f / den;
+      Mma<T>::store2(out + 4 * c, sum.x * inv, sum.y * inv);
+      Mma<T>::store2(out + 4 * c + 2, sum.z * inv, sum.w * inv);
+      if (p.lse != nullptr && c % (D / 4) == 0) p.lse[lse_at + c / (D / 4)] = lse_of(mx, den);  // a head's first column
+    };
+    // Threads per column: a power of two <= 32 (aligned groups inside a warp, reduced by
+    // shuffles), as many as the states while the slice's columns still fit the CTA.
+    int lanes = 1;
+    while (lanes < 32 && lanes < states && cs * lanes * 2 <= kMergeThreads) lanes <<= 1;
+    if (lanes > 1) {  // one column per thread group (cs <= 64); the group splits the states
+      const int c = c_lo + tid / lanes, part = tid & (lanes - 1);
+      const bool live = c < c_hi;
+      const int hh = live ? c / (D / 4) : 0;
+      float mx = -INFINITY, den = 0.f;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int s0 = live ? part : states; s0 < states; s0 += kIF * lanes) {
+        float ms[kIF], ls[kIF];
+        float4 vs[kIF];
+#pragma unroll
+        for (int i = 0; i < kIF; ++i) {  // predicated: every load of the round issues at once
+          const int s = s0 + i * lanes;
+          ms[i] = -INFINITY, ls[i] = 0.f, vs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (s < states) {
+            const int64_t at = slot_of(s);
+            ms[i] = __ldcg(m + at * G + hh);
+            ls[i] = __ldcg(l + at * G + hh);
+            vs[i] = __ldcg(acc + at * cols + c);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kIF; ++i) fold(mx, den, sum, ms[i], ls[i], vs[i]);
+      }
+      for (int o = 1; o < lanes; o <<= 1) {  // the group's states, by shuffles (no barrier)
+        const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), d2 = __shfl_xor_sync(0xffffffffu, den, o);
+        float4 a2;
+        a2.x = __shfl_xor_sync(0xffffffffu, sum.x, o), a2.y = __shfl_xor_sync(0xffffffffu, sum.y, o);
+        a2.z = __shfl_xor_sync(0xffffffffu, sum.z, o), a2.w = __shfl_xor_sync(0xffffffffu, sum.w, o);
+        fold(mx, den, sum, m2, d2, a2);
+      }
+      if (live && part == 0) store(c, mx, den, sum);
+    } else {  // wide slices (cs > 64): each thread owns columns c_lo + tid + 128 q, every state
+      const int passes = (cs + kMergeThreads - 1) / kMergeThreads, items = passes * states;
+      float mx = -INFINITY, den = 0.f;
+      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+      int q = 0, s = 0;  // the next item to fold: column pass q, state s
+      for (int e0 = 0; e0 < items; e0 += kIF) {
+        float ms[kIF], ls[kIF];
+        float4 vs[kIF];
+        int lq = q, ls_ = s;
+#pragma unroll
+        for (int i = 0; i < kIF; ++i) {  // this round's items, loads issued together
+          const int c = c_lo + tid + lq * kMergeThreads;
+          ms[i] = -INFINITY, ls[i] = 0.f, vs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+          if (e0 + i < items && c < c_hi) {
+            const int64_t at = slot_of(ls_);
+            const int hh = c / (D / 4);
+            ms[i] = __ldcg(m + at * G + hh);
+            ls[i] = __ldcg(l + at * G + hh);
+            vs[i] = __ldcg(acc + at * cols + c);
+          }
+          if (++ls_ == states) ls_ = 0, ++lq;
+        }
+#pragma unroll
+        for (int i = 0; i < kIF; ++i) {
+          if (e0 + i < items) {
+            fold(mx, den, sum, ms[i], ls[i], vs[i]);
+            if (s == states - 1) {
+              const int c = c_lo + tid + q * kMergeThreads;
+              if (c < c_hi) store(c, mx, den, sum);
+              mx = -INFINITY, den = 0.f, sum = make_float4(0.f, 0.f, 0.f, 0.f);
+            }
+            if (++s == states) s = 0, ++q;
+          }
+        }
+      }
+    }
+  }
+#if PKV_TRACE
+  if (rec != nullptr && tid == 0) {
+    rec[4] = clock_now();
+    rec[9] = globaltimer_ns();
+    rec[10] = job ? 1 | (static_cast<unsigned long long>(j1 - j0 + 1) << 8) : 0;
+  }
+#endif
 }
 
 template <typename T, int D, int kRows, bool kFp8>
@@ -171,7 +448,21 @@ cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   kernel<<<p.num_ctas, kThreads, smem, stream>>>(p);
-  return cudaGetLastError();
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || !p.merge) return err;
+  // The merge as a programmatic dependent: launched once every decode CTA has started (it
+  // overlaps the decode), released by griddepcontrol.wait when the decode grid completes.
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(p.num_ctas);
+  cfg.blockDim = dim3(kMergeThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  err = cudaLaunchKernelEx(&cfg, graph_merge_kernel<T, D>, p);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 template <typename T, int D, bool kFp8>
@@ -209,10 +500,26 @@ int graph_decode_ctas_per_sm(int head_dim) {
 cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
                                 cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
-      p.min_tiles < 1 || (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
+      p.min_tiles < 1 || p.merge < 0 || p.merge > 2 ||
+      (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)
                                   : launch_dim<__nv_bfloat16>(p, kv_fp8, head_dim, stream);
+}
+
+cudaError_t read_graph_trace(unsigned long long* dst) {
+#if PKV_TRACE
+  cudaError_t err = cudaDeviceSynchronize();
+  if (err == cudaSuccess) err = cudaMemcpyFromSymbol(dst, g_trace, sizeof(g_trace));
+  void* addr = nullptr;
+  if (err == cudaSuccess) err = cudaGetSymbolAddress(&addr, g_trace);
+  if (err == cudaSuccess) err = cudaMemset(addr, 0, sizeof(g_trace));
+  if (err == cudaSuccess) err = cudaDeviceSynchronize();
+  return err;
+#else
+  (void)dst;
+  return cudaErrorNotSupported;
+#endif
 }
 
 }  // namespace pkv

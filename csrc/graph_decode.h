@@ -1,12 +1,16 @@
-// PersistentKV v4: single-launch decode whose work split is decided on the GPU.
+// PersistentKV v4/v5: decode whose work split is decided on the GPU.
 //
 // The grid is fixed by capacity (CTAs per SM x SMs), so one CUDA graph replays any step
 // up to `num_rows` rows. Every CTA reads the step's lengths, cuts the step's
 // H * sum(tiles) work units into equal contiguous ranges (one per CTA), and attends over
 // the (row, KV head) pieces its range covers. A piece that is a whole segment writes its
-// output; a segment cut across CTAs is merged by the last of them to finish (atomic
-// counter, partial states through L2). No host plan, no second launch.
-// Torch-free: binding.cpp unpacks tensors into these structs.
+// output; a segment cut across CTAs leaves FP32 partial states, merged either
+//  - v5 (merge = 1, the default): by a merge kernel launched as a programmatic dependent
+//    (PDL) of the decode. It decides the same split from the same lengths while the
+//    decode runs, waits for the decode grid (griddepcontrol.wait), and spreads each cut
+//    segment's columns over the CTAs that cut it, one round of loads each; or
+//  - v4 (merge = 0): by the last of the segment's CTAs to finish (atomic counter).
+// No host plan either way. Torch-free: binding.cpp unpacks tensors into these structs.
 #pragma once
 
 #include <cstdint>
@@ -40,12 +44,27 @@ struct GraphDecodeParams {
   int page_shift;           // log2(page size)
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
+  int merge;                // 1: PDL merge kernel (v5), 2: same, no early trigger, 0: last-CTA merge (v4)
   float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
 };
 
 // Head dims built with an FP8 e4m3 cache (kFp8HeadDims in pkv/engines/graph.py).
 constexpr int kFp8MaxHeadDim = 128;
+
+// Diagnosis build knob (PKV_NVCC_FLAGS="-DPKV_TRACE=1", `pkv bench kernels --trace`): every
+// CTA of the last launch stamps its phases (clock64, %globaltimer) into a device buffer of
+// kTraceRecords records of kTraceFields u64: decode CTA j at record j, merge CTA j at
+// kTraceCtas + j. Off by default (no stamp is compiled).
+#ifndef PKV_TRACE
+#define PKV_TRACE 0
+#endif
+constexpr int kTraceFields = 16;
+constexpr int kTraceCtas = 1024;
+constexpr int kTraceRecords = 2 * kTraceCtas;
+// Copies the trace buffer to host memory dst (kTraceRecords * kTraceFields u64) and clears
+// it; cudaErrorNotSupported in a build without PKV_TRACE.
+cudaError_t read_graph_trace(unsigned long long* dst);
 
 // CTAs per SM the kernel is built for at this head_dim (its shared-memory budget).
 int graph_decode_ctas_per_sm(int head_dim);

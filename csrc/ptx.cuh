@@ -7,7 +7,34 @@
 
 #include <cstdint>
 
+// Diagnosis build knob (graph_decode.h): phase stamps of the decode kernels.
+#ifndef PKV_TRACE
+#define PKV_TRACE 0
+#endif
+
 namespace pkv {
+
+__device__ __forceinline__ unsigned long long globaltimer_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t)::"memory");
+  return t;
+}
+__device__ __forceinline__ unsigned long long clock_now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%clock64;\n" : "=l"(t)::"memory");
+  return t;
+}
+// Thread 0 stamps field i of a trace record (a null record: no stamp); nothing without PKV_TRACE.
+#if PKV_TRACE
+#define PKV_STAMP(rec, i)                                                          \
+  do {                                                                             \
+    if ((rec) != nullptr && threadIdx.x == 0) (rec)[i] = ::pkv::clock_now();       \
+  } while (0)
+#else
+#define PKV_STAMP(rec, i) \
+  do {                    \
+  } while (0)
+#endif
 
 __device__ __forceinline__ uint32_t smem_addr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

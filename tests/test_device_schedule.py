@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule
+from pkv.plan.device_schedule import GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule, merge_jobs
 from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
@@ -71,11 +71,39 @@ def test_ranges_balanced_and_slots_consistent(name):
     assert len(all_slots) == len(set(all_slots))
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("num_ctas,min_tiles,cols", [(264, 8, 128), (264, 1, 16), (132, 2, 512), (7, 1, 32)])
+def test_merge_jobs_cover_every_cut_segment_once(name, num_ctas, min_tiles, cols):
+    """v5's merge kernel: every cut segment's columns merged exactly once, from exactly the
+    slots its pieces wrote, each merge CTA at most one job."""
+    lens = np.asarray(CASES[name])
+    h = 8
+    written = defaultdict(set)
+    for p in graph_pieces(lens, h, num_ctas, min_tiles):
+        if p.slot >= 0:
+            written[(p.row, p.kv_head)].add(p.slot)
+            assert set(p.merger_slots) == written[(p.row, p.kv_head)] | set(p.merger_slots)
+    covered = defaultdict(list)
+    jobs = merge_jobs(lens, h, num_ctas, cols, min_tiles)
+    assert len({j.cta for j in jobs}) == len(jobs)
+    for j in jobs:
+        assert set(j.slots) == written[(j.row, j.kv_head)] and len(j.slots) == len(set(j.slots))
+        covered[(j.row, j.kv_head)].append((j.col_begin, j.col_end))
+    assert set(covered) == set(written)
+    for spans in covered.values():
+        spans.sort()
+        assert spans[0][0] == 0 and spans[-1][1] == cols
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+
+
 def test_few_segments_never_straddle():
-    # 8 segments and 264 CTAs: 256 CTAs, 32 per segment, each inside one segment
-    pieces = graph_pieces([8192], 8, 264)
-    assert active_ctas([8192], 8, 264) == 256
+    # 8 segments and 264 CTAs, min_tiles 8: 256 CTAs, 32 per segment, each inside one segment
+    pieces = graph_pieces([8192], 8, 264, 8)
+    assert active_ctas([8192], 8, 264, 8) == 256
     assert len({p.cta for p in pieces}) == len(pieces) == 256
+    # the default (min_tiles 4): 264 CTAs, 33 per segment; B1 1K: 64 CTAs of 4 tiles
+    assert active_ctas([8192], 8, 264) == 264 == len(graph_pieces([8192], 8, 264))
+    assert active_ctas([1024], 8, 264) == 64
 
 
 def test_capacity_is_checked():

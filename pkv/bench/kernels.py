@@ -132,6 +132,131 @@ def with_ratios(frame):
     return frame
 
 
+# Fields of a PKV_TRACE record (csrc/graph_decode.h): clock64 stamps unless named gt_ (%globaltimer, ns).
+DECODE_FIELDS = {0: "gt_start", 1: "start", 2: "scan", 3: "cut", 4: "pages", 5: "first_kv", 6: "loop_end",
+                 7: "state", 8: "end", 9: "gt_end", 10: "flags", 11: "first_tokens", 12: "smid"}
+MERGE_FIELDS = {0: "gt_start", 1: "start", 2: "scan", 3: "wait", 4: "end", 9: "gt_end", 10: "flags"}
+TRACE_CTAS, TRACE_FIELDS = 1024, 16   # kTraceCtas, kTraceFields
+
+
+def trace_phases(rec, clock_ghz: float) -> dict:
+    """The phase budget of one traced call (rec: [2, TRACE_CTAS, TRACE_FIELDS] int64), in µs.
+
+    Per active decode CTA (medians, and the max for the whole range): lengths loaded and
+    scanned, range cut, block-table ids (prologue copies issued), first KV step landed, the
+    steady loop, drain + CTA state written, last-CTA merge (v4). Across the launch: start
+    skew of the decode CTAs, the decode span (first start to last end, %globaltimer), and
+    for the v5 merge kernel its first start after the decode's, its release after the
+    decode's last CTA ended (griddepcontrol.wait), its merge work and its last end."""
+    dec, mer = rec[0], rec[1]
+    used = dec[:, 0] > 0
+    act = used & ((dec[:, 10] & 1) == 1)
+    out = {}
+    if not act.any():
+        return out
+    a = dec[act]
+    ticks = (a[:, 8] - a[:, 1]).astype(float)
+    out["clock_ghz_measured"] = float(np.median(ticks / np.maximum(a[:, 9] - a[:, 0], 1)))  # clocks per ns
+    us = 1e-3 / (clock_ghz if clock_ghz > 0 else out["clock_ghz_measured"])   # µs per clock
+    for name, (i0, i1) in {"scan": (1, 2), "cut": (2, 3), "bt": (3, 4), "first_kv": (4, 5), "steady": (5, 6),
+                           "drain_state": (6, 7), "v4_merge": (7, 8)}.items():
+        d = (a[:, i1] - a[:, i0]) * us
+        out[name] = float(np.median(d))
+        out[name + "_max"] = float(d.max())
+    t0 = int(dec[used, 0].min())
+    out["start_skew"] = (int(a[:, 0].max()) - t0) * 1e-3
+    out["decode_span"] = (int(dec[used, 9].max()) - t0) * 1e-3
+    out["active_ctas"] = int(act.sum())
+    out["first_tokens"] = float(np.median(a[:, 11]))
+    m_used = mer[:, 0] > 0
+    if m_used.any():
+        m = mer[m_used]
+        job = (m[:, 10] & 1) == 1
+        out["merge_first_start"] = (int(m[:, 0].min()) - t0) * 1e-3
+        out["merge_end"] = (int(m[:, 9].max()) - t0) * 1e-3
+        if job.any():
+            mj = m[job]
+            release = mj[:, 0] * 1e-3 + (mj[:, 3] - mj[:, 1]) * us - t0 * 1e-3
+            out["merge_release_after_decode"] = float(np.median(release)) - out["decode_span"]
+            out["merge_work"] = float(np.median((mj[:, 4] - mj[:, 3]) * us))
+            out["merge_jobs"] = int(job.sum())
+    out["span"] = max(out["decode_span"], out.get("merge_end", 0.0))
+    return out
+
+
+def run_trace(args, cases, engines, command: str) -> int:
+    """`--trace`: the PKV_TRACE build, one traced call per repetition (one CUDA graph runs
+    every KV copy once, as the sweep times it; the last call is the one traced), its phase
+    budget printed and every record written."""
+    import os
+
+    import pandas as pd
+
+    from pkv.core import io
+    from pkv.engines import make_engine
+    from pkv.core.harness import StepState
+    from pkv.measure.timing import graph_us_per_call
+
+    flags = os.environ.get("PKV_NVCC_FLAGS", "")
+    if "-DPKV_TRACE=1" not in flags.split():
+        os.environ["PKV_NVCC_FLAGS"] = (flags + " -DPKV_TRACE=1").strip()
+    from pkv.kernels.loader import ops
+
+    pkv_ops = ops()
+    clock_ghz = args.trace_clock_ghz
+    buf = torch.zeros(2 * TRACE_CTAS * TRACE_FIELDS, dtype=torch.int64)
+    records, summary = [], []
+    for case in cases:
+        caches, queries = build_caches(case, args.seed)
+        step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
+        for label in engines:
+            name, options = parse_spec(label)
+            if name != "pkv-graph":
+                continue
+            es = [make_engine(name, c, **options) for c in caches]
+            calls = [(e, e.prepare(step), q) for e, q in zip(es, queries)]
+            for e, pl, q in calls:
+                e.run(q, pl)
+            torch.cuda.synchronize()
+            graph_us = graph_us_per_call(calls, args.reps)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for e, pl, q in calls:
+                    e.run(q, pl)
+            graph.replay()
+            pkv_ops.graph_trace(buf)   # synchronizes; clears what the warm-up and the replays left
+            phases = []
+            for rep in range(args.reps):
+                graph.replay()
+                pkv_ops.graph_trace(buf)
+                rec = buf.view(2, TRACE_CTAS, TRACE_FIELDS).numpy().copy()
+                phases.append(trace_phases(rec, clock_ghz))
+                if rep == 0:
+                    for kind, fields in ((0, DECODE_FIELDS), (1, MERGE_FIELDS)):
+                        used = np.flatnonzero(rec[kind, :, 0] > 0)
+                        for cta in used:
+                            records.append(dict(case=case.name, engine=label, kernel=("decode", "merge")[kind],
+                                                cta=int(cta), **{f: int(rec[kind, cta, i]) for i, f in fields.items()}))
+            keys = sorted({k for ph in phases for k in ph})
+            row = dict(case=case.name, engine=label, graph_us_trace_build=graph_us,
+                       **{k: float(np.median([ph[k] for ph in phases if k in ph])) for k in keys})
+            summary.append(row)
+            print(f"{case.name:10s} {label:28s} " + " ".join(
+                f"{k}={row[k]:.2f}" for k in ("graph_us_trace_build", "span", "decode_span", "start_skew", "scan",
+                                               "cut", "bt", "first_kv", "steady", "drain_state", "v4_merge",
+                                               "merge_release_after_decode", "merge_work", "merge_end", "clock_ghz_measured")
+                if k in row),
+                  flush=True)
+            del es, calls, graph
+        del caches, queries
+        torch.cuda.empty_cache()
+    meta = {**io.provenance(), "command": command, "clock_ghz": f"{clock_ghz}", "complete": "true"}
+    io.write_parquet(pd.DataFrame(records), args.out, meta)
+    io.write_parquet(pd.DataFrame(summary), str(args.out).replace(".parquet", "") + "-phases.parquet", meta)
+    print(pd.DataFrame(summary).to_string(index=False, float_format=lambda x: f"{x:.2f}"))
+    return 0
+
+
 def add_arguments(ap) -> None:
     ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
     ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
@@ -142,6 +267,14 @@ def add_arguments(ap) -> None:
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
     ap.add_argument("--seed", type=int, default=20260622, help="seed of the KV bytes, queries and ragged lengths")
     ap.add_argument("--out", default="results/raw/kernels/sweep.parquet", help="Parquet file to write")
+    ap.add_argument("--trace", action="store_true",
+                    help="diagnosis: build with PKV_TRACE=1 and print each pkv-graph call's phase budget "
+                         "(lengths scan, block-table ids, first KV bytes, steady loop, drain, merge; "
+                         "docs/perf-notes.md, v5) instead of the sweep; --out gets every CTA's stamps and "
+                         "<out>-phases.parquet the budgets")
+    ap.add_argument("--trace-clock-ghz", type=float, default=0.0,
+                    help="SM clock that converts --trace's clock64 stamps to µs; 0: measured, clock64 ticks "
+                         "over %%globaltimer ns of the traced CTAs")
 
 
 def add_command(bench) -> None:
@@ -174,6 +307,8 @@ def run(args, command: str) -> int:
         cases = [c for c in cases if c.name in keep]
     if args.page_size:
         cases = [dataclasses.replace(c, page_size=args.page_size) for c in cases]
+    if args.trace:
+        return run_trace(args, cases, engines, command)
     probes = read_roofline()
     roofline = probes["roofline"]
     print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)

@@ -1,4 +1,4 @@
-"""`pkv-graph`: the v4 decode with no host plan (csrc/graph_decode.cu, docs/graph-decode.md).
+"""`pkv-graph`: the v4/v5 decode with no host plan (csrc/graph_decode.cu, docs/graph-decode.md).
 
 prepare() writes the step's lengths and block-table row ids into one pinned buffer and
 issues one host-to-device copy; the kernel decides the split on the GPU. Every buffer the
@@ -58,7 +58,7 @@ class GraphEngine(Engine):
     name = "pkv-graph"
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
-                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None):
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 1):
         super().__init__(cache)
         s = cache.shape
         self.gpu = cache.kv.is_cuda
@@ -73,6 +73,10 @@ class GraphEngine(Engine):
         if min_tiles < 1:
             raise ValueError(f"min_tiles must be >= 1, got {min_tiles}")
         self.min_tiles = min_tiles
+        if merge not in (0, 1, 2):
+            raise ValueError(f"merge is 1 (v5: PDL merge kernel), 2 (the same, launched as the decode exits) "
+                             f"or 0 (v4: last-CTA merge), got {merge}")
+        self.merge = int(merge)   # how cut segments merge on the GPU; the CPU oracle is the same for both
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
             self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms
@@ -111,7 +115,8 @@ class GraphEngine(Engine):
         if self.gpu:
             r = plan.rows
             self.ops.graph_decode(q, self.cache.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
-                                  self.partial, self.counters, self.num_ctas, self.min_tiles, **self._scale_args)
+                                  self.partial, self.counters, self.num_ctas, self.min_tiles, **self._scale_args,
+                                  merge=self.merge)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))

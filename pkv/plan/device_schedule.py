@@ -8,6 +8,11 @@ segment inside one CTA is written directly; a segment cut across CTAs j0..j1 lea
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
 last piece otherwise) and the last CTA to finish merges them.
 
+v5 merges cut segments in a second kernel (a programmatic dependent of the decode) that
+repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
+j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
+segment's float4 columns (`merge_jobs`).
+
 This module is the CPU oracle of that rule: `graph_schedule` turns it into a
 pkv.plan.schedule.Schedule (one queue launch, tasks in segment order) that
 pkv.kernels.reference.run_schedule executes, and `graph_pieces` lists each CTA's pieces with
@@ -23,7 +28,17 @@ import numpy as np
 from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
-GRAPH_MIN_TILES = 8     # default smallest CTA range, in tiles (docs/perf-notes.md, v4)
+GRAPH_MIN_TILES = 4     # default smallest CTA range, in tiles (docs/perf-notes.md, v5; 8 in v4)
+
+
+@dataclass(frozen=True)
+class MergeJob:
+    cta: int                 # merge-kernel CTA
+    row: int
+    kv_head: int
+    slots: tuple[int, ...]   # the segment's states in merge order
+    col_begin: int           # float4 columns [col_begin, col_end) of the segment's G * D / 4
+    col_end: int
 
 
 @dataclass(frozen=True)
@@ -111,3 +126,34 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
     splits = int(np.diff(offsets).max()) if len(offsets) > 1 else 1
     launch = Launch("queue", rows, splits, task_arr, np.asarray(offsets, dtype=np.int32), lens[rows].astype(np.int32))
     return Schedule("workqueue", num_kv_heads, (launch,))
+
+
+def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
+               min_tiles: int = GRAPH_MIN_TILES) -> list[MergeJob]:
+    """The v5 merge kernel's jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
+    (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    h = num_kv_heads
+    tiles = num_tiles(lens)
+    inc = np.cumsum(tiles)
+    work = int(inc[-1]) * h if len(lens) else 0
+    n = active_ctas(lens, h, num_ctas, min_tiles)
+    jobs = []
+    for j in range(1, n):
+        lo = j * work // n
+        r = int(np.searchsorted(h * inc, lo, side="right"))
+        exc = int(inc[r - 1]) if r else 0
+        t = int(tiles[r])
+        head = (lo - h * exc) // t
+        seg_begin = h * exc + head * t
+        seg_end = seg_begin + t
+        j0, j1 = ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
+        if j0 == j1 or j == j0:
+            continue
+        first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
+        slots = (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
+        k, slices = j - j0 - 1, j1 - j0
+        c0, c1 = k * cols // slices, (k + 1) * cols // slices
+        if c0 < c1:
+            jobs.append(MergeJob(j, r, head, slots, c0, c1))
+    return jobs

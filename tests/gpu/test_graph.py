@@ -85,6 +85,52 @@ def test_cut_options(ctas_per_sm, min_tiles):
     check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"cut {ctas_per_sm} {min_tiles}")
 
 
+@pytest.mark.parametrize("merge", [1, 0])
+@pytest.mark.parametrize("min_tiles", [1, 4, 8])
+@pytest.mark.parametrize("group,head_dim", [(16, 128), (1, 64), (5, 256)])
+def test_merge_paths(merge, min_tiles, group, head_dim):
+    """v5's PDL merge kernel (merge=1) and v4's last-CTA merge (merge=0) over cuts of 2 to
+    hundreds of states per segment, slices wider than a merge CTA (G 16) and narrower than
+    one column per CTA (G 1, d 64)."""
+    seed = seed_of("graph-merge", merge, min_tiles, group, head_dim)
+    rng = np.random.default_rng(seed)
+    lens = [int(rng.integers(6 * K, 20 * K)), 33, int(rng.integers(1, 3 * K))]
+    cache, step, q = make_case(lens, group=group, num_kv_heads=2, head_dim=head_dim, seed=seed)
+    engine = make_engine("pkv-graph", cache, min_tiles=min_tiles, merge=merge)
+    check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"merge {merge} mt {min_tiles}")
+
+
+# The compute-sanitizer grid (docs/perf-notes.md, v5): every pkv-graph path (16-bit d 64/128/256,
+# FP8 tensor and page scales, split and unsplit, page 1 and 64, v5 and v4 merges) on a grid of
+# 8 SMs' worth of CTAs; run with
+#   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
+#     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_graph.py -k sanitizer_grid
+# (--kernel-name keeps the tools on our two kernels: unfiltered, racecheck also reports
+# torch's own reduction kernels that the checks call.)
+SANITIZER_GRID = [(d, kv, page, lens) for d in (64, 128, 256) for kv in ("auto", "tensor", "page")
+                  for page in (1, 64) for lens in ((40,), (3000, 17))
+                  if not (kv != "auto" and d == 256) and not (kv == "page" and page == 1)]
+
+
+@pytest.mark.parametrize("head_dim,kv,page,lens", SANITIZER_GRID)
+def test_sanitizer_grid(head_dim, kv, page, lens):
+    seed = seed_of("sanitizer", head_dim, kv, page, lens)
+    cache, step, q = make_case(list(lens), group=4, num_kv_heads=2, head_dim=head_dim, page_size=page, seed=seed)
+    run_cache = cache if kv == "auto" else cache.quantized(kv)
+    for merge in (1, 0):
+        engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge)
+        out = run_graph(engine, step, q)
+        ref = reference(run_cache, step, q) if kv == "auto" else reference_dequantized(run_cache, step, q)
+        check(out, ref, "float16", f"sanitizer grid d{head_dim} {kv} p{page} {lens} merge {merge}")
+
+
+def reference_dequantized(cache8, step, q):
+    from pkv.kernels.reference import attention_reference
+
+    ids = torch.as_tensor(step.request_ids, device="cuda")
+    return attention_reference(q, cache8.values(), cache8.block_table[ids], torch.as_tensor(step.seq_lens))
+
+
 def test_unsupported_shapes_raise():
     shape = Shape(32, 2, 256, 16, "float16")
     cache = PagedCache.random(shape, assign_pages(np.array([40]), 16, 0.0, 0), device="cuda")
