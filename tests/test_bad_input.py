@@ -309,6 +309,14 @@ def test_a_frozen_config_with_nan_is_refused_by_every_command(frozen):
         load_config(d / "config.json")
 
 
+def test_freeze_config_never_freezes_what_every_command_would_refuse(tmp_path):
+    cfg = effective(CONFIG, "smoke")
+    cfg["measure"]["holes"] = float("nan")
+    out = tmp_path / "config.json"
+    line = one_line(pkv("freeze-config", "--json", json.dumps(cfg), "--out", str(out)))
+    assert line == "pkv: error: freeze-config --json: measure.holes: nan is not a finite number" and not out.exists()
+
+
 def test_a_key_given_twice_in_yaml_is_refused_with_its_line(tree, tmp_path):
     bad = tmp_path / "dup.yaml"
     bad.write_text("measure:\n  max_steps: 4\n  max_steps: 8\n")

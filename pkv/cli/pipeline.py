@@ -18,7 +18,8 @@ from pathlib import Path
 from pkv.cli.args import integer, seed
 from pkv.core.io import atomic_write_text, file_hash, provenance, write_parquet
 from pkv.config.jobs import check_job
-from pkv.config.resolve import SMOKE_BANNER, ConfigError, check_constants, config_hash, load_config, write_config
+from pkv.config.resolve import (SMOKE_BANNER, ConfigError, check_config, check_constants, config_hash, load_config,
+                                load_schema, validate_config, write_config)
 from pkv.config.stages import STAGES, by_command
 from pkv.config.typed import Config
 
@@ -90,8 +91,15 @@ def freeze_config_cmd(args) -> int:
         cfg = json.loads(args.json)
     except json.JSONDecodeError as e:
         raise ValueError(f"freeze-config: --json is not valid JSON ({e})") from None
+    # What every command will refuse is never frozen: the schema (NaN too), the rules it
+    # cannot say, and the typed view's keys.
+    if not isinstance(cfg, dict):
+        raise ValueError("freeze-config: --json is not a config (expected a JSON object)")
+    validate_config(cfg, load_schema(), "freeze-config --json")
+    check_config(cfg, "freeze-config --json")
+    typed = Config.from_dict(cfg, "freeze-config --json")
     write_config(cfg, args.out)
-    print(f"froze profile {cfg['profile']} (config hash {config_hash(cfg)}) to {args.out}", file=sys.stderr)
+    print(f"froze profile {typed.profile} (config hash {config_hash(cfg)}) to {args.out}", file=sys.stderr)
     return 0
 
 
