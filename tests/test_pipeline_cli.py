@@ -22,10 +22,14 @@ def test_nsight_without_ncu_fails_at_once_and_says_how_to_turn_it_off(tmp_path):
 
 
 def test_freeze_config_is_canonical_json(tmp_path):
+    # A real config (freeze-config refuses one every command would refuse), keys given in
+    # reverse order: frozen sorted, two-space indented.
+    cfg = effective(yaml.safe_load(open("config.yaml")), "smoke")
+    reverse = lambda d: {k: reverse(v) for k, v in reversed(d.items())} if isinstance(d, dict) else d  # noqa: E731
     out = tmp_path / "config.json"
-    assert _pkv("freeze-config", "--json", json.dumps({"b": 1, "a": {"d": 2, "c": 3}, "profile": "smoke"}),
-                "--out", str(out)).returncode == 0
-    assert out.read_text() == '{\n  "a": {\n    "c": 3,\n    "d": 2\n  },\n  "b": 1,\n  "profile": "smoke"\n}\n'
+    assert _pkv("freeze-config", "--json", json.dumps(reverse(cfg)), "--out", str(out)).returncode == 0
+    text = out.read_text()
+    assert text == json.dumps(cfg, indent=2, sort_keys=True) + "\n" and text.startswith('{\n  "ablations": {\n')
 
 
 def test_smoke_profile_merges_over_the_paper_config():
