@@ -29,6 +29,8 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+from pkv.config.errors import ConfigError
+from pkv.config.seeds import check_seed_roles
 from pkv.core.io import atomic_write_text, dict_hash
 
 PROFILES = ("paper", "smoke")
@@ -42,10 +44,6 @@ NOT_FROZEN = ("smoke", "run")
 RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 INT_TEXT = re.compile(r"^[+-]?[0-9]+$")
 FLOAT_TEXT = re.compile(r"^[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?$")
-
-
-class ConfigError(ValueError):
-    """A configuration that must not run; the message is one line naming the key."""
 
 
 # ---------------------------------------------------------------- strict YAML
@@ -276,14 +274,7 @@ def _points_used(cfg: dict) -> list[tuple[str, dict]]:
 
 def check_config(cfg: dict, source: str = "config") -> None:
     """What the JSON schema cannot say; raises ConfigError (one line, naming the key)."""
-    seeds = cfg["seeds"]
-    cal = seeds["calibration"]
-    # pkv.config.seeds.SEED_ROLES: no stage but calibration may use the calibration seed.
-    if cal in seeds["heldout"]:
-        raise ConfigError(f"{source}: seeds.calibration {cal} is also in seeds.heldout; calibration must never "
-                          "see a held-out seed")
-    if seeds["ablation"] == cal:
-        raise ConfigError(f"{source}: seeds.ablation {cal} is the calibration seed; ablations must run on a held-out seed")
+    check_seed_roles(cfg, source)
     serving = {(p["family"], p["max_active"]) for p in cfg["serving"]}
     for key, p in _points_used(cfg):
         if (p["family"], p["max_active"]) not in serving:

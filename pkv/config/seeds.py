@@ -1,13 +1,13 @@
 """The held-out discipline: which of the config's seeds each stage may measure on.
 
-One definition, checked by check_config (pkv.config.resolve), by every measuring
-command (pkv.config.jobs.check_job) and by the report (pkv.report.load). Imports nothing
-heavy (the Snakefile reaches it at parse time through pkv.config.jobs).
+One definition, checked by check_config (pkv.config.resolve, through check_seed_roles),
+by every measuring command (pkv.config.jobs.check_job) and by the report
+(pkv.report.load). Imports nothing heavy (the Snakefile reaches it at parse time).
 """
 
 from __future__ import annotations
 
-from pkv.config.resolve import ConfigError
+from pkv.config.errors import ConfigError
 
 # Which of the config's seeds each stage may measure on: the one definition of the seed
 # discipline, checked by check_config, by every measuring command (check_seed) and by the
@@ -22,11 +22,25 @@ SEED_ROLES = {
 }
 
 
-def stage_seeds(cfg: dict, stage: str) -> tuple[int, ...]:
-    """The seeds `stage` may run on under `cfg` (SEED_ROLES)."""
-    role = SEED_ROLES[stage]
+def role_seeds(cfg: dict, role: str) -> tuple[int, ...]:
+    """The seeds of one role of SEED_ROLES (seeds.heldout is a list, the others one seed)."""
     seeds = cfg["seeds"][role]
     return tuple(seeds) if isinstance(seeds, list) else (seeds,)
+
+
+def stage_seeds(cfg: dict, stage: str) -> tuple[int, ...]:
+    """The seeds `stage` may run on under `cfg` (SEED_ROLES)."""
+    return role_seeds(cfg, SEED_ROLES[stage])
+
+
+def check_seed_roles(cfg: dict, source: str = "config") -> None:
+    """The config itself: no role of SEED_ROLES but calibration's holds the calibration seed."""
+    cal = cfg["seeds"]["calibration"]
+    why = {"heldout": f"seeds.calibration {cal} is also in seeds.heldout; calibration must never see a held-out seed",
+           "ablation": f"seeds.ablation {cal} is the calibration seed; ablations must run on a held-out seed"}
+    for role in dict.fromkeys(r for r in SEED_ROLES.values() if r != "calibration"):
+        if cal in role_seeds(cfg, role):
+            raise ConfigError(f"{source}: {why[role]}")
 
 
 def check_seed(cfg: dict, stage: str, seed, source: str = "--seed") -> int:
