@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from pkv.core.io import write_parquet
-from pkv.report.tables import ReportError, build_report, compare, load
+from pkv.report.compare import compare
+from pkv.report.tables import ReportError, build_report, load
 from test_report import _frame, _rows
 
 SEEDS = (20260623, 20260624, 20260625)

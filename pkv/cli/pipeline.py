@@ -203,7 +203,7 @@ def report_cmd(args) -> int:
 
 
 def compare_cmd(args) -> int:
-    from pkv.report.tables import compare
+    from pkv.report.compare import compare
 
     if args.run_dir is None and args.out is None:
         raise ValueError("compare: name RUN_DIR, or --out RUN_DIR/tables/comparison.md")

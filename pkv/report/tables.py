@@ -16,7 +16,6 @@ built (all or nothing). A seed missing from a per-seed stage is flagged in the t
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -51,9 +50,12 @@ class Table:
     caption: str
     stages: tuple[str, ...]
     keys: tuple[str, ...]
-    build: Callable[[Raw], pd.DataFrame]
+    build: Callable[[Raw], pd.DataFrame] | None   # None: the spec's `render` makes the file (pkv.report.artifacts)
     latex: bool = False
     required: bool = True
+    render: str = ""
+    profiles: tuple[str, ...] = ("paper", "smoke")
+    in_all: bool = True
 
 
 def t_serving(raw: Raw) -> pd.DataFrame:
@@ -268,7 +270,7 @@ BUILDERS = {
     "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity, "gqa_sweep": t_gqa_sweep,
     "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations, "external": t_external,
 }
-TABLES = {name: Table(**asdict(spec), build=BUILDERS[name]) for name, spec in TABLE_SPECS.items()}
+TABLES = {name: Table(**asdict(spec), build=BUILDERS.get(name)) for name, spec in TABLE_SPECS.items()}
 
 
 def provenance_line(raw: Raw) -> str:
@@ -347,6 +349,11 @@ def _load_cached(root: Path, stages: tuple[str, ...], required: bool, cache: dic
 
 def _build_target(root: Path, path: Path, cache: dict) -> bytes:
     name = path.stem
+    spec = (TABLE_SPECS if path.parent.name == "tables" else FIGURE_SPECS)[name]
+    if spec.render:
+        from pkv.report import artifacts
+
+        return getattr(artifacts, spec.render)(root)
     if path.parent.name == "tables":
         table = TABLES[name]
         return render(name, table, _load_cached(root, table.stages, table.required, cache), path.suffix[1:]).encode()
@@ -354,65 +361,3 @@ def _build_target(root: Path, path: Path, cache: dict) -> bytes:
     spec = FIGURE_SPECS[name]
     raw = _load_cached(root, spec.stages, spec.required, cache)
     return report_figures.draw(name, raw.frame, raw.smoke)
-
-
-# ---------------------------------------------------------------- a run against the reference
-
-
-def _side_by_side(table: Table, ref: pd.DataFrame, run: pd.DataFrame) -> pd.DataFrame:
-    keys = [k for k in table.keys if k in ref.columns and k in run.columns]
-    values = [c for c in ref.columns if c not in keys and c in run.columns]
-    ratio_cols = [c for c in values if "ratio" in c.lower()]
-    values = ratio_cols or values
-    ref = ref.drop_duplicates(subset=keys).set_index(keys)[values]
-    run = run.drop_duplicates(subset=keys).set_index(keys)[values]
-    order = list(dict.fromkeys([*ref.index, *run.index]))
-    both = pd.DataFrame(index=pd.Index(order) if len(keys) == 1 else pd.MultiIndex.from_tuples(order, names=keys))
-    both.index.names = keys
-    for c in values:
-        both[f"{c} (reference)"] = ref[c].reindex(both.index).fillna("–")
-        both[f"{c} (this run)"] = run[c].reindex(both.index).fillna("–")
-    return both.reset_index()
-
-
-def _run_line(raw: Raw) -> str:
-    keys = ("gpu", "git_commit", "config_hash", "constants_hash", "torch", "flashinfer")
-    return ", ".join(f"{k} {', '.join(sorted({m.get(k, 'unknown') for m in raw.metas})) or '–'}" for k in keys)
-
-
-def compare(run: Path, reference: Path) -> str:
-    """Markdown: every table of `run` beside the same table of `reference`, per table, the
-    ratio columns side by side (every value column where a table has no ratio)."""
-    check_folder(run)
-    check_folder(reference)
-    parts = [f"# {run} against the reference run {reference}\n",
-             "Each table of this run beside the committed reference run's, row by row (ratio columns where the "
-             "table has them, else every value column). A ratio's denominator is FlashInfer measured in the same "
-             "run on the same GPU, so ratios compare across GPUs; absolute times do not.\n"]
-    try:
-        cfg_ref = json.loads((reference / "config.json").read_text())
-        cfg_run = json.loads((run / "config.json").read_text())
-        from pkv.config.resolve import differences
-
-        diff = differences(cfg_ref, cfg_run)
-        parts.append("Configs: identical.\n" if not diff else f"**Configs differ** in: {', '.join(diff)}.\n")
-    except (OSError, ValueError):
-        parts.append("Configs: not compared (a folder has no config.json).\n")
-    for name, table in TABLES.items():
-        parts.append(f"## {table.title}\n")
-        sides = {}
-        for label, root in (("reference", reference), ("this run", run)):
-            try:
-                sides[label] = load(root, table.stages, table.required)
-            except MissingStage:
-                sides[label] = None
-        if sides["reference"] is None or sides["this run"] is None:
-            which = " and ".join(k for k, v in sides.items() if v is None)
-            parts.append(f"Not measured in {which}.\n")
-            continue
-        frame = _side_by_side(table, table.build(sides["reference"]), table.build(sides["this run"]))
-        parts.append(tabulate(frame, headers="keys", tablefmt="github", showindex=False, disable_numparse=True) + "\n")
-        for label, raw in sides.items():
-            note = missing_note(raw)
-            parts.append(f"{label.capitalize()}: {_run_line(raw)}." + (f" {note}" if note else "") + "\n")
-    return "\n".join(parts)
