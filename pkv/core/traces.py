@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-FAMILIES = ("bucketed", "homogeneous", "bimodal", "uniform", "zipf")
+from pkv.core.families import FAMILIES  # noqa: E402 - the one table of families
 BUCKETS = (8192, 16384, 32768, 65536)
 MAX_LEN = 1 << 24            # tokens per request, prompt + decode
 MAX_REQUESTS = 1 << 20       # requests per trace
