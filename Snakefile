@@ -32,6 +32,11 @@ include: "workflow/rules/fp8.smk"
 include: "workflow/rules/report.smk"
 
 
+# The HTML report's description names the resolved profile and results folder (the raw
+# config says only `auto`); set after every check, so nothing validates or freezes it.
+config["report_run"] = {"profile": PROFILE, "folder": ROOT}
+
+
 rule all:
     """Every table and figure of this profile (pkv.report.spec, in_all), the Nsight capture and, for a run of your own, its comparison."""
     default_target: True
