@@ -41,7 +41,7 @@ def test_lists_derive_from_the_table():
     assert table.pkv_kinds() == {k: v for k, v in table.pkv_engines().items() if k != "pkv-fused"}
     assert table.flashinfer() == ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
     assert table.baselines() == ("flashinfer", "flashinfer-tc")
-    assert table.pkv_routes() == {"pkv-workqueue": "workqueue", "pkv-bucket": "bucket"}
+    assert table.pkv_routes() == {"pkv-workqueue": "workqueue", "pkv-bucket": "bucket", "pkv-graph": "graph"}
     assert bench.PKV_ENGINES == tuple(table.pkv_engines())
     assert set(bench.BASELINES) == set(table.flashinfer()) | {"sdpa-repack"}
 

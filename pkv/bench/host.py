@@ -33,7 +33,7 @@ from pkv.core import io
 from pkv.measure.timing import sync
 from pkv.report.host import BAR_FACTOR, BAR_US, markdown
 from pkv.core.cache import PagedCache
-from pkv.plan.costmodel import Constants, Router
+from pkv.plan.costmodel import Constants
 from pkv.engines import make_engine, table
 from pkv.engines.flashinfer import plan as flashinfer_plan
 from pkv.core.harness import StepState
@@ -97,8 +97,7 @@ def time_engine(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> 
     engine.validate = True
     exact = []
     if getattr(engine, "router", None) is not None:   # the same decisions, uncached: what a cache miss costs
-        r = engine.router
-        uncached = Router(r.shape, r.k, r.baselines, r.policies, cache=False)
+        uncached = engine.router.uncached()
         for step in steps:
             t0 = time.perf_counter()
             uncached.decide(step.request_ids, step.seq_lens)

@@ -13,7 +13,6 @@ On a CPU cache the same rule runs through pkv.kernels.reference.run_schedule
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -24,7 +23,8 @@ from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
 from pkv.kernels.reference import run_schedule
-from pkv.plan.schedule import slot_floats
+from pkv.plan.costmodel import graph_cost
+from pkv.plan.schedule import Counters, slot_floats
 
 HEAD_DIMS = (64, 128, 256)
 FP8_HEAD_DIMS = (64, 128)   # kFp8MaxHeadDim in csrc/graph_decode.h: the FP8 kernels built
@@ -49,9 +49,24 @@ def check_graph_shape(shape, scales=None) -> None:
         raise ValueError(f"pkv-graph supports GQA groups 1..{limit} at head_dim {shape.head_dim}, got {shape.group}")
 
 
-@dataclass
 class GraphPlan(Plan):
-    rows: int            # rows the kernel scans (the step, or its padded bucket)
+    """A pkv-graph step plan: `rows` the kernel scans (the step, or its padded bucket). Its
+    counters are the device rule's (pkv.plan.costmodel.graph_counts: CTAs with work, the cut
+    segments' partial states), computed on first access, off the path prepare() times."""
+
+    def __init__(self, step: StepState, route: str, launches: int, rows: int, counter_args: tuple):
+        self.step, self.route, self.launches, self.rows = step, route, launches, rows
+        self._counter_args = counter_args
+        self._counters: Counters | None = None
+
+    @property
+    def counters(self) -> Counters:
+        if self._counters is None:
+            shape, num_ctas, min_tiles, num_sms, merge = self._counter_args
+            cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles)
+            self._counters = Counters(1, int(merge > 0), 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
+                                      int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes))
+        return self._counters
 
 
 class GraphEngine(Engine):
@@ -81,7 +96,9 @@ class GraphEngine(Engine):
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
             self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms
         else:
+            sms = num_sms or CPU_NUM_CTAS // 2
             self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
+        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.merge)
         dev = cache.device
         slots = 2 * self.num_ctas
         self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
@@ -106,7 +123,7 @@ class GraphEngine(Engine):
                              f"{self.max_rows} rows (or is padded below its size)")
         pad = self._zeros[:rows - b]
         self._staging.upload([step.seq_lens, pad, step.request_ids, pad], out=self.meta)
-        return GraphPlan(step, self.name, 1, None, rows)
+        return GraphPlan(step, self.name, 1, rows, self._counter_args)
 
     def run(self, q: torch.Tensor, plan: GraphPlan) -> torch.Tensor:
         if q.shape[0] != plan.rows:

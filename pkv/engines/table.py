@@ -22,7 +22,8 @@ class EngineInfo:
     cpu: bool = False  # also runs on a CPU cache
     fp8: bool = False  # reads an FP8 (e4m3) cache
     baseline: bool = False     # a FlashInfer decode variant every ratio takes the faster of
-    route: bool = False        # a PersistentKV route of the adaptive router (costed by pkv.plan.costmodel)
+    route: bool = False        # a PersistentKV route of the adaptive router (costed by pkv.plan.costmodel;
+                               # family "pkv" routes are host-scheduled with a frozen split, pkv-graph is not)
     ablation: bool = False     # measured only in an ablation, not among the engines a user would deploy
     options: tuple[str, ...] = ()   # the option keys its spec may set (name:key=value,...)
 
@@ -42,7 +43,8 @@ ENGINES: dict[str, EngineInfo] = {
     "pkv-fused": EngineInfo("pkv", "workqueue", "workqueue with the atomic-counter fused merge (ablation)",
                             "pkv.engines.persistent", ablation=True, options=PKV_OPTIONS),
     "pkv-graph": EngineInfo("pkv-graph", "graph", "single-launch decode, splits decided on the GPU, no host plan, "
-                            "CUDA-graph capturable", "pkv.engines.graph", cpu=True, fp8=True, options=GRAPH_OPTIONS),
+                            "CUDA-graph capturable", "pkv.engines.graph", cpu=True, fp8=True, route=True,
+                            options=GRAPH_OPTIONS),
     "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores", "pkv.engines.flashinfer",
                              fp8=True, baseline=True, options=("validate",)),
     "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores",
@@ -52,7 +54,7 @@ ENGINES: dict[str, EngineInfo] = {
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes",
-                           "pkv.engines.adaptive", cpu=True),
+                           "pkv.engines.adaptive", cpu=True, options=("objective",)),
 }
 
 
@@ -92,7 +94,9 @@ def baselines() -> tuple[str, ...]:
 
 
 def pkv_routes() -> dict[str, str]:
-    """The router's PersistentKV routes: name -> schedule kind (the cost model's route key)."""
+    """The router's PersistentKV routes: name -> kind (the cost model's route key). The
+    family "pkv" ones (pkv_engines()) are host-scheduled with a frozen split per operating
+    point; pkv-graph ("graph") decides its split on the GPU and is costed by its own fit."""
     return {n: e.kind for n, e in ENGINES.items() if e.route}
 
 
@@ -110,8 +114,12 @@ def cpu_engines() -> tuple[str, ...]:
 
 
 # One engine-spec syntax everywhere (config lists, --engines, Parquet labels):
-# "name" or "name:key=value,key=value", a value true, false or an integer.
-_VALUE = r"(true|false|-?[0-9]+)"
+# "name" or "name:key=value,key=value", a value true, false, an integer, or for an enum
+# option (ENUM_OPTIONS) one of its words.
+ENUM_OPTIONS = {"objective": ("serial", "overlapped")}   # adaptive: what the router minimizes per step
+_WORDS = tuple(sorted({w for words in ENUM_OPTIONS.values() for w in words}))
+_NUMBER = r"(true|false|-?[0-9]+)"
+_VALUE = rf"(true|false|-?[0-9]+|{'|'.join(_WORDS)})"
 
 
 def spec_pattern() -> str:
@@ -121,16 +129,22 @@ def spec_pattern() -> str:
 
 
 def parse_spec(spec: str) -> tuple[str, dict]:
-    """"pkv-masked:row_local=false,early_exit=false" -> ("pkv-masked", {"row_local": False, ...})."""
+    """"pkv-masked:row_local=false,early_exit=false" -> ("pkv-masked", {"row_local": False, ...});
+    "adaptive:objective=overlapped" -> ("adaptive", {"objective": "overlapped"})."""
     name, _, opts = spec.partition(":")
     e = info(name)
     options: dict = {}
     for item in filter(None, opts.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or not re.fullmatch(_VALUE, value):
-            raise ValueError(f"engine option {item!r} in {spec!r} must be key=true, key=false or key=<integer>")
         if key not in e.options:
             raise ValueError(f"engine {name!r} takes no option {key!r}; its options: {list(e.options) or 'none'}")
+        if key in ENUM_OPTIONS:
+            if value not in ENUM_OPTIONS[key]:
+                raise ValueError(f"engine option {item!r} in {spec!r}: {key} is one of {', '.join(ENUM_OPTIONS[key])}")
+            options[key] = value
+            continue
+        if not sep or not re.fullmatch(_NUMBER, value):
+            raise ValueError(f"engine option {item!r} in {spec!r} must be key=true, key=false or key=<integer>")
         options[key] = {"true": True, "false": False}.get(value, None)
         if options[key] is None:
             options[key] = int(value)

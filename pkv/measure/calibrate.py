@@ -14,6 +14,11 @@ CUDA-event span, i.e. planning and launch submission) is the median over the swe
 and per operating point (`operating_points[point]["host_s"]`), since it grows with the
 batch. Margins and gates are policy, copied from the config. On the CPU smoke profile
 the same measurements run on the CPU (threads stand in for SMs) and the constants say so.
+
+pkv-graph (Router v4) runs once per operating point (it has no split) beside the
+baselines; its device fit (`fit_graph`: fixed cost, seconds per KV byte and per merge
+byte, by non-negative least squares in relative error over its rows' device time and
+counters) is `constants["graph"]`, and its host time is H_graph of fit_host_s.
 """
 
 from __future__ import annotations
@@ -25,13 +30,16 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.engines.table import pkv_routes
-from pkv.plan.costmodel import Constants, RouteCost, estimate
+from itertools import combinations
+
+from pkv.engines.table import pkv_engines, pkv_routes
+from pkv.plan.costmodel import GraphFit, Constants, RouteCost, estimate
 from pkv.measure.loop import Job, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
 from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
 from pkv.measure.timing import sync
+from pkv.plan.device_schedule import GRAPH_MIN_TILES
 
 FIT_CTAS = tuple(2 ** i for i in range(8))
 
@@ -72,8 +80,19 @@ def device_name(device: str) -> str:
     return torch.cuda.get_device_name(0) if device == "cuda" else "cpu (smoke stand-in for a GPU)"
 
 
+def scheduled_routes() -> dict[str, str]:
+    """The router's host-scheduled routes (a split per operating point): name -> kind."""
+    return {n: k for n, k in pkv_routes().items() if n in pkv_engines()}
+
+
+def unscheduled_routes() -> list[str]:
+    """The router's routes that decide their own split (pkv-graph): measured once per point."""
+    return [n for n in pkv_routes() if n not in pkv_engines()]
+
+
 def sweep(cfg: Config | dict, provisional: Constants) -> pd.DataFrame:
-    """Every serving point on the calibration seed: baselines and both PKV routes per split."""
+    """Every serving point on the calibration seed: baselines and the host-scheduled PKV
+    routes per split, then the baselines and pkv-graph once (split 0: the engine's own)."""
     t = Config.of(cfg)
     c = t.calibration
     seed = t.seeds.calibration
@@ -83,9 +102,11 @@ def sweep(cfg: Config | dict, provisional: Constants) -> pd.DataFrame:
         trace = synthetic_trace(t, p.family, seed)
         cache = build_cache(t, trace, shape, t.measure.holes, seed)
         steps = steps_of(trace, p.max_active, c.max_steps)
-        for split in c.split_grid:
-            specs = [*t.baselines, *pkv_routes()]
-            engines = build_engines(specs, cache, provisional, point_key(p.family, p.max_active), split)
+        point = point_key(p.family, p.max_active)
+        runs = [(split, [*t.baselines, *scheduled_routes()]) for split in c.split_grid]
+        runs += [(0, [*t.baselines, *unscheduled_routes()])] if unscheduled_routes() else []
+        for split, specs in runs:
+            engines = build_engines(specs, cache, provisional, point, split or None)
             job = Job("calibrate", trace.name, p.family, p.max_active, seed, shape.group, split)
             frames.append(measure(job, cache, steps, engines, t.baselines[0], tolerance(t),
                                   t.measure.reference_every, graph=False))
@@ -96,16 +117,24 @@ def _throughput(rows: pd.DataFrame) -> float:
     return rows["active"].sum() / rows["wall_s"].sum()
 
 
+def _best_split(rows: pd.DataFrame) -> int:
+    """The split of the route's rows with the best wall throughput; ties to the smaller."""
+    return int(max(sorted(rows["split"].unique()), key=lambda s: _throughput(rows[rows["split"] == s])))
+
+
 def operating_points(frame: pd.DataFrame) -> dict:
     """(family, batch) -> {kind: split with the best wall throughput; ties to the smaller}."""
     points = {}
     for (family, batch), rows in frame.groupby(["family", "max_active"], sort=True):
         points[point_key(family, int(batch))] = {
-            kind: int(max(sorted(rows["split"].unique()),
-                          key=lambda s: _throughput(rows[(rows["engine"] == f"pkv-{kind}") & (rows["split"] == s)])))
-            for kind in pkv_routes().values()
+            kind: _best_split(rows[rows["engine"] == name]) for name, kind in scheduled_routes().items()
         }
     return points
+
+
+def _measured(rows: pd.DataFrame) -> np.ndarray:
+    """Device time per step: CUDA events, wall time where none were timed (the CPU)."""
+    return rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
 
 
 FIT_C_MIN = tuple(round(0.25 + 0.05 * i, 2) for i in range(76))      # 0.25 .. 4.0 CTAs per SM
@@ -123,10 +152,10 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     bimodal B4 it costed the workqueue's 96 CTAs at 2.7x the bytes time and the bucket
     route's 8 launches at 79 us, so the router took the bucket route that ran slower on
     every measure (results/raw/serve/bimodal-b4-*)."""
-    rows = frame[frame["engine"].str.startswith("pkv-") & frame["decode_ctas"].notna()]
+    rows = frame[frame["engine"].isin(list(scheduled_routes())) & frame["decode_ctas"].notna()]
     if rows.empty:
         raise ValueError("no PersistentKV rows to fit C_min and lambda on")
-    measured = rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
+    measured = _measured(rows)
     bytes_t = rows["useful_kv_bytes"].to_numpy() / beta
     merge_t = rows["merge_bytes"].to_numpy() / beta
     occupancy = rows["decode_ctas"].to_numpy() / sm_count
@@ -145,7 +174,7 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
 
 def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> float:
     rows = frame[frame["engine"] == baseline]
-    measured = rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
+    measured = _measured(rows)
 
     def loss(ctas: int) -> float:
         model = [estimate(RouteCost(baseline, t * kv_bytes_per_token, a * num_kv_heads * ctas, 1, 0.0), k)
@@ -153,6 +182,41 @@ def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes
         return float(np.sum((np.log(model) - np.log(measured)) ** 2))
 
     return float(min(FIT_CTAS, key=loss))
+
+
+def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin |a x - b| over x >= 0, by trying every support (a handful of columns here)."""
+    best = (np.inf, np.zeros(a.shape[1]))
+    cols = range(a.shape[1])
+    for size in range(1, a.shape[1] + 1):
+        for support in combinations(cols, size):
+            x = np.zeros(a.shape[1])
+            x[list(support)] = np.linalg.lstsq(a[:, support], b, rcond=None)[0]
+            if (x >= 0).all():
+                loss = float(np.sum((a @ x - b) ** 2))
+                if loss < best[0]:
+                    best = (loss, x)
+    return best[1]
+
+
+def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES) -> dict | None:
+    """pkv-graph's GraphFit from its rows of the sweep, or None where it has none: the
+    coefficients of T = fixed + KV bytes * a + merge bytes * b, non-negative, minimizing
+    the squared relative error against the measured device time. The grid (num_ctas) is
+    the rows' own: CTAs with work + CTAs without."""
+    rows = frame[(frame["engine"] == "pkv-graph") & frame["decode_ctas"].notna()]
+    if rows.empty:
+        return None
+    grids = (rows["decode_ctas"] + rows["empty_ctas"]).unique()
+    if len(grids) != 1:
+        raise ValueError(f"pkv-graph rows of the sweep ran on several grids: {sorted(grids)}")
+    measured = _measured(rows)
+    features = np.column_stack([np.ones(len(rows)), rows["useful_kv_bytes"].to_numpy(), rows["merge_bytes"].to_numpy()])
+    x = nonnegative_lstsq(features / measured[:, None], np.ones(len(rows)))
+    fit = GraphFit(float(x[0]), float(x[1]), float(x[2]), int(grids[0]), int(min_tiles))
+    err = np.log((features @ x) / measured)
+    return {**{key: getattr(fit, key) for key in GraphFit.KEYS}, "rows": int(len(rows)),
+            "rms_log_err": float(np.sqrt(np.mean(err ** 2)))}
 
 
 def fit_host_s(frame: pd.DataFrame) -> dict:
@@ -188,6 +252,9 @@ def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv
                                      for b in baselines}
     # After the CTA fit, which models device time only.
     out["host_s"] = fit_host_s(frame)
+    graph = fit_graph(frame)
+    if graph is not None:
+        out["graph"] = graph
     return out
 
 

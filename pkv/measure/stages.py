@@ -40,7 +40,7 @@ def build_engine(spec: str, cache: PagedCache, k: Constants, point: str, split: 
         if split is not None:
             k = dataclasses.replace(k, operating_points={point: {**k.operating_points.get(point, {}), "bucket": split,
                                                                  "workqueue": split}})
-        return make_engine("adaptive", cache, constants=k, point=point)
+        return make_engine("adaptive", cache, constants=k, point=point, **options)   # objective
     if table.family(name) == "pkv":
         policy = SplitPolicy(split or k.split(point, name[4:]), k.min_tiles_per_split)
         if not cache.kv.is_cuda:

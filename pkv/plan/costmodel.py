@@ -14,7 +14,26 @@ estimated with one launch and `baseline_ctas_per_head[r]` CTAs per (row, KV head
 effective split its own planner exposes, fitted at calibration. A PersistentKV route
 must pass the eligibility gates (calibrated GQA group, long enough context) and beat the
 best FlashInfer estimate by the promotion margin for the step's active count.
+
+pkv-graph (route key "graph", Router v4) has no host plan and decides its split on the
+GPU, so the roofline above does not describe it. Its device time has its own closed form,
+
+    T_graph = fixed_s + KVBytes * s_per_kv_byte + MergeBytes * s_per_merge_byte
+
+(one launch plus the v5 merge kernel, streaming, and the partial states of the segments
+the device rule cuts: pkv.plan.device_schedule's rule counted by `graph_counts`), fitted
+at calibration (`GraphFit`); its host time H_graph is its prepare() (one metadata upload),
+fitted like every other H_r. Constants without a GraphFit (every run calibrated before
+Router v4) do not offer pkv-graph and route exactly as before.
+
+The objective says what a step costs: `serial` (device + H_r: the paper's synchronized
+loop, the default) or `overlapped` (device time only: a scheduler that hides host work
+behind the GPU).
 All constants come from `constants.json` written by `pkv calibrate` on the GPU present.
+
+This module is long because the Router's per-step fast path restates the route cost
+functions (bucket_cost, workqueue_cost, graph_cost) in integer counts: both stay in one
+file so that a change to one is made beside the other (tests check they agree).
 """
 
 from __future__ import annotations
@@ -31,6 +50,35 @@ from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, slot_bytes, workqueue_ch
 from pkv.core.shape import Shape
 
 
+OBJECTIVES = ("serial", "overlapped")   # the words of pkv.engines.table.ENUM_OPTIONS["objective"]
+GRAPH = "graph"                          # pkv-graph's route key (pkv.engines.table.pkv_routes)
+
+
+@dataclass(frozen=True)
+class GraphFit:
+    """pkv-graph's fitted device time (T_graph above) and the grid it was fitted on."""
+
+    fixed_s: float            # launch, length scan and merge-kernel latency of a step
+    s_per_kv_byte: float      # 1 / streaming bandwidth of the single launch
+    s_per_merge_byte: float   # per partial-state byte of the cut segments (written, then merged)
+    num_ctas: int             # the grid the calibration ran (CTAs/SM x SMs)
+    min_tiles: int            # the smallest CTA range, in tiles
+
+    KEYS = ("fixed_s", "s_per_kv_byte", "s_per_merge_byte", "num_ctas", "min_tiles")
+
+    def __post_init__(self) -> None:
+        if min(self.fixed_s, self.s_per_kv_byte, self.s_per_merge_byte) < 0 or self.num_ctas < 1 or self.min_tiles < 1:
+            raise ValueError(f"graph fit out of range: {self}")
+
+    def device_s(self, cost: "RouteCost") -> float:
+        return self.fixed_s + cost.kv_bytes * self.s_per_kv_byte + cost.merge_bytes * self.s_per_merge_byte
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GraphFit":
+        return cls(float(d["fixed_s"]), float(d["s_per_kv_byte"]), float(d["s_per_merge_byte"]), int(d["num_ctas"]),
+                   int(d["min_tiles"]))
+
+
 @dataclass(frozen=True)
 class Constants:
     device: str
@@ -45,6 +93,7 @@ class Constants:
     min_tiles_per_split: int
     operating_points: dict = field(default_factory=dict)   # "family-bN" -> {"bucket": S, "workqueue": S}
     host_s: dict = field(default_factory=dict)             # route -> H_r, seconds per step
+    graph: GraphFit | None = None                          # pkv-graph's device fit; None: not offered
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
@@ -85,6 +134,7 @@ class Constants:
             supported_groups=tuple(int(g) for g in d["supported_groups"]), min_context=int(d["min_context"]),
             min_tiles_per_split=int(d["min_tiles_per_split"]), operating_points=d.get("operating_points", {}),
             host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
+            graph=GraphFit.from_dict(d["graph"]) if d.get("graph") else None,
         )
 
     @classmethod
@@ -103,11 +153,23 @@ class RouteCost:
     merge_bytes: float
 
 
-def estimate(cost: RouteCost, k: Constants) -> float:
-    occupancy = cost.ctas / k.sm_count
-    stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
-    return (cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
-            + k.host_s.get(cost.route, 0.0))
+def check_objective(objective: str) -> str:
+    if objective not in OBJECTIVES:
+        raise ValueError(f"router objective {objective!r}: choose from {', '.join(OBJECTIVES)}")
+    return objective
+
+
+def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
+    """T_r of `cost`: device time (the roofline, or pkv-graph's fit) plus H_r when serial."""
+    if cost.route == GRAPH:
+        if k.graph is None:
+            raise ValueError("these constants have no pkv-graph fit (calibrated before Router v4)")
+        device = k.graph.device_s(cost)
+    else:
+        occupancy = cost.ctas / k.sm_count
+        stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
+        device = cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
+    return device + k.host_s.get(cost.route, 0.0) if objective == "serial" else device
 
 
 # The two PersistentKV routes, costed in closed form from the step's lengths: the same
@@ -152,6 +214,45 @@ def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
                      float(tasks * slot_bytes(shape)) if merging else 0.0)
 
 
+def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int) -> tuple[int, int]:
+    """(CTAs with work, partial states of the cut segments) of pkv-graph's device rule
+    (pkv.plan.device_schedule: n CTAs take equal ranges of the H * sum(tiles) units; a
+    segment (row, KV head) that a range boundary falls inside is cut, and each of its
+    pieces leaves one partial state to merge). Equal to what graph_pieces lists
+    (tests/test_router_v4.py), without listing the pieces: O(n) numpy on a miss."""
+    tiles = (np.asarray(seq_lens, dtype=np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
+    h = num_kv_heads
+    work = int(tiles.sum()) * h
+    if work == 0:
+        return 0, 0
+    n = min(num_ctas, -(-work // min_tiles))
+    segments = int(np.count_nonzero(tiles)) * h
+    if segments <= n:
+        n = n // segments * segments
+    if n == 1:
+        return 1, 0
+    ends = h * np.cumsum(tiles)                        # each row's last unit + 1
+    bounds = np.arange(1, n, dtype=np.int64) * work // n    # CTA range boundaries, distinct (work >= n)
+    rows = np.searchsorted(ends, bounds, side="right")     # the row holding unit `bound`
+    t = tiles[rows]
+    offset = bounds - (ends[rows] - h * t)                 # units into that row
+    inside = offset % t != 0                               # strictly inside a segment: a cut
+    cuts = int(np.count_nonzero(inside))
+    if not cuts:
+        return n, 0
+    seg = rows[inside] * h + offset[inside] // t[inside]     # non-decreasing: bounds are sorted
+    cut_segments = int(np.count_nonzero(seg[1:] != seg[:-1])) + 1
+    return n, cuts + cut_segments                          # a segment cut k times has k + 1 pieces
+
+
+def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int) -> RouteCost:
+    """pkv-graph on one step: all useful KV bytes in one launch over `ctas` CTAs, plus the
+    cut segments' partial states (merge bytes)."""
+    lens = _lengths(seq_lens)
+    n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles)
+    return RouteCost(GRAPH, float(sum(lens) * shape.kv_bytes_per_token), float(n), 1, float(states * slot_bytes(shape)))
+
+
 def eligible(shape: Shape, seq_lens, k: Constants) -> bool:
     """The hard gates: calibrated GQA group and a long-context step."""
     return shape.group in k.supported_groups and max(_lengths(seq_lens)) >= k.min_context
@@ -164,14 +265,15 @@ class Decision:
     estimates: dict   # route -> T_r, every candidate considered
 
 
-def choose(baselines: list[RouteCost], candidates: list[RouteCost], active: int, k: Constants) -> Decision:
+def choose(baselines: list[RouteCost], candidates: list[RouteCost], active: int, k: Constants,
+           objective: str = "serial") -> Decision:
     """The cheapest baseline, unless the cheapest candidate clears the promotion margin.
 
     `candidates` must already have passed `eligible`; an empty list keeps the baseline.
     """
     if not baselines:
         raise ValueError("choose() needs at least one baseline route")
-    est = {c.route: estimate(c, k) for c in (*baselines, *candidates)}
+    est = {c.route: estimate(c, k, objective) for c in (*baselines, *candidates)}
     base = min(baselines, key=lambda c: (est[c.route], c.route)).route
     if candidates:
         best = min(candidates, key=lambda c: (est[c.route], c.route)).route
@@ -198,22 +300,32 @@ class Router:
       counts memoized per tile count), a handful of vectorized numpy ops above; the
       route costs and estimates equal bucket_cost/workqueue_cost/baseline_cost's.
 
-    `cache=False` gives the uncached decision (every step evaluated exactly).
+    `cache=False` gives the uncached decision (every step evaluated exactly). `graph` is
+    the pkv-graph engine's (num_ctas, min_tiles) where it was built; it is a candidate only
+    with a GraphFit in the constants (the same gates as the other PersistentKV routes).
+    `objective` is "serial" or "overlapped" (module docstring).
     """
 
     SMALL = 48          # up to this many rows, plain Python beats numpy's per-call overhead
     MAX_ENTRIES = 4096
 
-    def __init__(self, shape: Shape, k: Constants, baselines, policies: dict, cache: bool = True):
+    def __init__(self, shape: Shape, k: Constants, baselines, policies: dict, cache: bool = True,
+                 objective: str = "serial", graph: tuple[int, int] | None = None):
         self.k, self.shape = k, shape
         self.baselines = tuple(baselines)
         self.policies = dict(policies)          # "bucket"/"workqueue" -> SplitPolicy; empty = gated out
+        self.objective = check_objective(objective)
+        self.graph = tuple(graph) if graph is not None and k.graph is not None else None
         self.kvb, self.h, self.slot = shape.kv_bytes_per_token, shape.num_kv_heads, slot_bytes(shape)
         self.base_cta = {b: k.baseline_ctas_per_head[b] for b in self.baselines}
-        self.group_ok = bool(self.policies) and shape.group in k.supported_groups
+        self.group_ok = bool(self.policies or self.graph) and shape.group in k.supported_groups
         self.cache = {} if cache else None
         self._split_memo: dict = {}
         self.hits = self.misses = 0
+
+    def uncached(self) -> "Router":
+        """The same router without its cache: every step's decision taken exactly."""
+        return Router(self.shape, self.k, self.baselines, self.policies, False, self.objective, self.graph)
 
     def decide(self, request_ids: np.ndarray, seq_lens: np.ndarray) -> Decision:
         active = len(seq_lens)
@@ -258,7 +370,10 @@ class Router:
                     tasks, launches, merged = self._workqueue(tiles, longest, longest_tiles, policy, small)
                 cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches,
                                        float(merged * self.h * self.slot)))
-        return choose(base, cands, active, self.k)
+            if self.graph:
+                ctas, states = graph_counts(seq_lens, self.h, *self.graph)
+                cands.append(RouteCost(GRAPH, kv_bytes, float(ctas), 1, float(states * self.slot)))
+        return choose(base, cands, active, self.k, self.objective)
 
     def _splits_of(self, policy: SplitPolicy) -> dict:
         """tile count -> SplitPolicy.for_length, memoized across steps (one rule, asked once)."""

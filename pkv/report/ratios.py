@@ -46,6 +46,24 @@ def ratios(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return t
 
 
+def routers(frame: pd.DataFrame) -> list[str]:
+    """The adaptive engines' labels in `frame` ("adaptive", "adaptive:objective=overlapped",
+    ...), the plain one first."""
+    labels = {e for e in frame["engine"].unique() if table.parse_spec(e)[0] == "adaptive"}
+    return sorted(labels, key=lambda e: (e != "adaptive", e))
+
+
+def objective(router: str) -> str:
+    """The objective of an adaptive engine's label (serial unless it says otherwise)."""
+    return table.parse_spec(router)[1].get("objective", "serial")
+
+
+def router_label(label: str, router: str) -> str:
+    """A row label for `router`: `label` as it is for the plain adaptive engine (the committed
+    tables' rows), `label · objective=overlapped` for another spec."""
+    return label if router == "adaptive" else f"{label} · {router.partition(':')[2]}"
+
+
 def trace_label(family: str, max_active: int) -> str:
     return f"{family.capitalize()} B{max_active}"
 

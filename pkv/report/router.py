@@ -16,6 +16,13 @@ Two outputs, from the Parquet under RESULTS_DIR/raw and the frozen constants:
 
 Estimating a FlashInfer row needs the shape's KV heads and bytes per token, which the
 Parquet does not carry: they come from RESULTS_DIR/config.json (the frozen config).
+
+Router v4: every adaptive engine of a trace gets its own row (`adaptive`, and e.g.
+`adaptive:objective=overlapped` labelled "trace · objective=overlapped", with a router
+column only then), and pkv-graph is a candidate route where the constants carry its fit.
+pkv-graph rows are estimated from their counters (recorded since Router v4); the figure's
+router estimates are the serial objective's (an overlapped estimate is device time only,
+not comparable with the wall time plotted).
 """
 
 from __future__ import annotations
@@ -33,20 +40,26 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from pkv.engines.table import baselines, pkv_routes
-from pkv.plan.costmodel import Constants, RouteCost, estimate  # noqa: E402
+from pkv.engines.table import baselines, pkv_engines, pkv_routes
+from pkv.plan.costmodel import GRAPH, Constants, RouteCost, estimate  # noqa: E402
 from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
-from pkv.report.ratios import modal_route, num, trace_label, trace_order  # noqa: E402
+from pkv.report.ratios import modal_route, num, objective, routers, trace_label, trace_order  # noqa: E402
 from pkv.report.load import load  # noqa: E402
 
 WALL_BAR, DEVICE_BAR = 0.97, 0.95
 
 
+def offered(k: Constants) -> dict[str, str]:
+    """The router's PersistentKV routes these constants can cost: name -> route key
+    (pkv-graph only with its fit)."""
+    return {n: kind for n, kind in pkv_routes().items() if n in pkv_engines() or (kind == GRAPH and k.graph)}
+
+
 def candidates(frame: pd.DataFrame, k: Constants) -> list[str]:
     """The fixed engines of the router's candidate routes that this frame measured."""
     present = set(frame["engine"])
-    return [e for e in (*k.baseline_ctas_per_head, *pkv_routes()) if e in present]
+    return [e for e in (*k.baseline_ctas_per_head, *offered(k)) if e in present]
 
 
 def _device(rows: pd.DataFrame) -> pd.Series:
@@ -54,83 +67,103 @@ def _device(rows: pd.DataFrame) -> pd.Series:
 
 
 def regret(frame: pd.DataFrame, k: Constants) -> pd.DataFrame:
-    """One row per (family, max_active, seed): adaptive vs the best fixed route in hindsight."""
+    """One row per (family, max_active, seed, adaptive engine): the router vs the best fixed
+    route in hindsight."""
     out = []
     for (family, batch, seed), g in frame.groupby(["family", "max_active", "seed"], sort=True):
-        ad = g[g["engine"] == "adaptive"]
         fixed = {e: g[g["engine"] == e] for e in candidates(g, k)}
-        if ad.empty or not fixed:
+        if not fixed:
             continue
-        tokens = ad["active"].sum()
         wall = {e: r["active"].sum() / r["wall_s"].sum() for e, r in fixed.items()}
         dev = {e: r["active"].sum() / _device(r).sum(min_count=1) for e, r in fixed.items()}   # NaN: no device time
         best_wall = max(wall, key=wall.get)
         best_dev = max(dev, key=lambda e: (np.isfinite(dev[e]), dev[e] if np.isfinite(dev[e]) else 0.0))
-        ad_wall = tokens / ad["wall_s"].sum()
-        ad_dev = tokens / _device(ad).sum(min_count=1)
-        route_us = ad["route_s"] * 1e6 if "route_s" in ad else pd.Series(dtype=float)
-        out.append({
-            "family": family, "max_active": int(batch), "seed": int(seed), "steps": len(ad),
-            "routes": modal_route(ad["route"]),
-            "adaptive_wall_tok_s": ad_wall, "best_wall_route": best_wall, "best_wall_tok_s": wall[best_wall],
-            "wall_regret": ad_wall / wall[best_wall],
-            "adaptive_device_tok_s": ad_dev, "best_device_route": best_dev, "best_device_tok_s": dev[best_dev],
-            "device_regret": ad_dev / dev[best_dev],
-            "route_us_median": float(route_us.median()) if route_us.notna().any() else math.nan,
-            "route_us_max": float(route_us.max()) if route_us.notna().any() else math.nan,
-        })
+        for router in routers(g):
+            out.append(_regret_row(g[g["engine"] == router], router, family, batch, seed, wall, best_wall, dev,
+                                   best_dev))
     return pd.DataFrame(out)
+
+
+def _regret_row(ad: pd.DataFrame, router: str, family: str, batch: int, seed: int, wall: dict, best_wall: str,
+                dev: dict, best_dev: str) -> dict:
+    tokens = ad["active"].sum()
+    ad_wall = tokens / ad["wall_s"].sum()
+    ad_dev = tokens / _device(ad).sum(min_count=1)
+    route_us = ad["route_s"] * 1e6 if "route_s" in ad else pd.Series(dtype=float)
+    return {
+        "family": family, "max_active": int(batch), "seed": int(seed), "router": router, "steps": len(ad),
+        "routes": modal_route(ad["route"]),
+        "adaptive_wall_tok_s": ad_wall, "best_wall_route": best_wall, "best_wall_tok_s": wall[best_wall],
+        "wall_regret": ad_wall / wall[best_wall],
+        "adaptive_device_tok_s": ad_dev, "best_device_route": best_dev, "best_device_tok_s": dev[best_dev],
+        "device_regret": ad_dev / dev[best_dev],
+        "route_us_median": float(route_us.median()) if route_us.notna().any() else math.nan,
+        "route_us_max": float(route_us.max()) if route_us.notna().any() else math.nan,
+    }
 
 
 def _miss(x: float, bar: float) -> str:
     return " ✗" if np.isfinite(x) and x < bar else ""
 
 
-def regret_markdown(table: pd.DataFrame, smoke: bool) -> str:
+def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False) -> str:
+    """The table; `graph`: pkv-graph is among the candidates (constants with its fit)."""
     lines = ["# Router regret: adaptive vs the best fixed route in hindsight", ""]
     if smoke:
         lines += [f"**{SMOKE_BANNER}**", ""]
+    pkv = "the pkv bucket, workqueue and graph routes" if graph else "the pkv bucket and workqueue routes"
     lines += [
         "Per serving trace and seed: decode-token throughput (Σ active / Σ time) of `adaptive` over that of the "
         "best fixed candidate route on the same trace, chosen in hindsight separately for wall time and for device "
         "time (CUDA-graph replay; CUDA events where no replay). Candidates: the router's FlashInfer baselines and "
-        f"the pkv bucket and workqueue routes. Bar (issue 13): wall ratio ≥ {WALL_BAR}, device ratio ≥ "
+        f"{pkv}. Bar (issue 13): wall ratio ≥ {WALL_BAR}, device ratio ≥ "
         f"{DEVICE_BAR}. Router µs: host time of the per-step decision (`route_s`; – where not recorded).",
         "",
     ]
     if table.empty:
         return "\n".join(lines + ["No serving trace with an adaptive engine.", ""])
+    several = set(table["router"]) != {"adaptive"}
+    if several:
+        lines[-2] += (" One row per adaptive engine: the serial objective's bar is the wall ratio, the overlapped "
+                      "objective's the device ratio.")
     rows = []
     order = {fb: i for i, fb in enumerate(trace_order(table))}
-    table = table.assign(_o=[order[(f, b)] for f, b in zip(table["family"], table["max_active"])])
-    for r in table.sort_values(["_o", "seed"]).itertuples():
-        rows.append([trace_label(r.family, r.max_active), r.seed, r.routes,
+    table = table.assign(_o=[order[(f, b)] for f, b in zip(table["family"], table["max_active"])],
+                         _r=[r != "adaptive" for r in table["router"]])
+    for r in table.sort_values(["_o", "seed", "_r", "router"]).itertuples():
+        rows.append([trace_label(r.family, r.max_active), r.seed, *([r.router] if several else []), r.routes,
                      f"{r.best_wall_route}", num(r.wall_regret, ".3f") + _miss(r.wall_regret, WALL_BAR),
                      f"{r.best_device_route}" if np.isfinite(r.device_regret) else "–",
                      num(r.device_regret, ".3f") + _miss(r.device_regret, DEVICE_BAR),
                      num(r.route_us_median, ".1f"), num(r.route_us_max, ".1f")])
-    lines.append(tabulate(rows, headers=["trace", "seed", "routes taken", "best fixed (wall)", "wall ratio",
-                                         "best fixed (device)", "device ratio", "router µs median", "router µs max"],
+    lines.append(tabulate(rows, headers=["trace", "seed", *(["router"] if several else []), "routes taken",
+                                         "best fixed (wall)", "wall ratio", "best fixed (device)", "device ratio",
+                                         "router µs median", "router µs max"],
                           tablefmt="github"))
-    ok_w = int((table["wall_regret"] >= WALL_BAR).sum())
-    dev = table["device_regret"].dropna()
-    line = f"Wall bar met on {ok_w} of {len(table)} traces (min {table['wall_regret'].min():.3f})"
-    if not dev.empty:
-        line += f"; device bar on {int((dev >= DEVICE_BAR).sum())} of {len(dev)} (min {dev.min():.3f})"
-    lines += ["", line + ".", ""]
+    lines.append("")
+    for router, t in table.groupby("router", sort=False):
+        ok_w = int((t["wall_regret"] >= WALL_BAR).sum())
+        dev = t["device_regret"].dropna()
+        line = f"Wall bar met on {ok_w} of {len(t)} traces (min {t['wall_regret'].min():.3f})"
+        if not dev.empty:
+            line += f"; device bar on {int((dev >= DEVICE_BAR).sum())} of {len(dev)} (min {dev.min():.3f})"
+        lines += [(f"`{router}`: " if several else "") + line + "."]
+    lines += [""]
     return "\n".join(lines)
 
 
 def estimates(frame: pd.DataFrame, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> pd.DataFrame:
     """Fixed-route rows with the model's T_r recomputed from their counters (the router's
     closed-form counts equal the schedule's counters) and the constants at their point."""
-    rows = frame[frame["engine"].isin([*k.baseline_ctas_per_head, *pkv_routes()])]
+    routes = offered(k)
+    rows = frame[frame["engine"].isin([*k.baseline_ctas_per_head, *routes])]
+    rows = rows[~rows["engine"].isin(list(routes)) | rows["decode_ctas"].notna()]   # pkv-graph rows before v4: no counters
     est = []
     for r in rows.itertuples():
         point = point_key(r.family, int(r.max_active))
         kp = k.at(point) if point in k.operating_points else k
-        if r.engine in pkv_routes():
-            cost = RouteCost(pkv_routes()[r.engine], float(r.useful_kv_bytes), float(r.decode_ctas), int(r.launches),
+        if r.engine in routes:
+            cost = RouteCost(routes[r.engine], float(r.useful_kv_bytes), float(r.decode_ctas), int(r.launches),
                              float(r.merge_bytes))
         else:
             cost = RouteCost(r.engine, float(r.total_tokens * kv_bytes_per_token),
@@ -144,8 +177,10 @@ def estimates(frame: pd.DataFrame, k: Constants, kv_bytes_per_token: int, num_kv
 
 
 def chosen(frame: pd.DataFrame) -> pd.DataFrame:
-    """The router's own estimate of the route it took, per held-out step."""
-    ad = frame[(frame["engine"] == "adaptive") & frame["estimate_s"].notna()].copy()
+    """The router's own estimate of the route it took, per held-out step (serial objective:
+    the estimate of the wall time plotted)."""
+    serial = [e for e in routers(frame) if objective(e) == "serial"] if not frame.empty else []
+    ad = frame[frame["engine"].isin(serial) & frame["estimate_s"].notna()].copy()
     ad["route"] = ad["route"].str.split("/").str[0]
     ad["source"] = "held-out (router's estimate, route taken)"
     return ad[["stage", "route", "family", "max_active", "seed", "step", "wall_s", "cuda_s", "estimate_s", "source"]]
@@ -208,7 +243,7 @@ def regret_md(root: Path, constants: Path | None = None) -> str:
     root = Path(root)
     k = Constants.load(constants or root / "calibration" / "constants.json")
     serve = load(root, ("serve",))
-    return regret_markdown(regret(serve.frame, k), serve.smoke)
+    return regret_markdown(regret(serve.frame, k), serve.smoke, graph="pkv-graph" in candidates(serve.frame, k))
 
 
 def accuracy_png(root: Path, constants: Path | None = None) -> bytes:

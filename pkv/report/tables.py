@@ -29,7 +29,7 @@ from pkv.core.io import atomic_write_many
 from pkv.config.resolve import SMOKE_BANNER
 from pkv.measure.nsight import table5
 from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
-                        ratios, throughputs, trace_label, trace_order)
+                        ratios, router_label, routers, throughputs, trace_label, trace_order)
 # What the report reads and refuses (names re-exported for the modules that import them here).
 from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, load, missing_seeds,  # noqa: F401
                              seeds_cell)
@@ -59,14 +59,18 @@ class Table:
 
 
 def t_serving(raw: Raw) -> pd.DataFrame:
+    """One row per trace and adaptive engine (Router v4: `adaptive` and e.g.
+    `adaptive:objective=overlapped`, the latter labelled "trace · objective=overlapped")."""
     f = raw.frame
     r = ratios(f, ["family", "max_active", "seed"])
     rows = []
-    for family, batch in trace_order(f):
-        sel = (r["family"] == family) & (r["max_active"] == batch) & (r["engine"] == "adaptive")
-        steps = f[(f["family"] == family) & (f["max_active"] == batch) & (f["engine"] == "adaptive")]
+    for (family, batch), router in ((fb, e) for fb in trace_order(f) for e in routers(f) or ["adaptive"]):
+        sel = (r["family"] == family) & (r["max_active"] == batch) & (r["engine"] == router)
+        steps = f[(f["family"] == family) & (f["max_active"] == batch) & (f["engine"] == router)]
+        if steps.empty and router != "adaptive":
+            continue
         rows.append({
-            "Trace / mode": trace_label(family, batch), "Selected route": modal_route(steps["route"]),
+            "Trace / mode": router_label(trace_label(family, batch), router), "Selected route": modal_route(steps["route"]),
             "CUDA tok/s ratio": mean_sd(r.loc[sel, "cuda_ratio"]), "Graph ratio": mean_sd(r.loc[sel, "graph_ratio"]),
             "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
             "Wall ratio min": num(r.loc[sel, "wall_ratio"].min()),
