@@ -1,5 +1,15 @@
 """Request files: the loader of CSV, JSON (a list, or {"requests": [...]}) and JSONL
-traces, UTF-8, native or Azure schema, into a pkv.core.traces.Trace.
+traces, UTF-8, into a pkv.core.traces.Trace.
+
+Formats (FORMATS, detected from the header or keys, first match wins): native
+(prompt_len, decode_len[, arrival_step]), Azure LLM inference (TIMESTAMP date strings,
+ContextTokens, GeneratedTokens), Mooncake (timestamp in ms, input_length, output_length;
+hash_ids ignored) and BurstGPT (Timestamp in s, Request tokens, Response tokens; a row of
+0 response tokens is one of the log's failed requests: skipped and counted in
+meta["skipped_failed"]). Any other layout is read through a column mapping
+(`columns()`, `pkv trace show --columns prompt=NAME,decode=NAME[,time=NAME:s|ms]`, the
+config's external.columns). A numeric time is seconds or milliseconds, as the format or
+the mapping says, and never read as a date.
 
 The request file's own limits are its trace's (pkv.core.traces: MAX_LEN, MAX_REQUESTS,
 MAX_ARRIVAL_STEP) and MAX_JSON_DEPTH below. A value is an
@@ -7,9 +17,9 @@ integer only as its text is one ("12", not "12.0", "1e3", "1_000" or true), in C
 JSON alike. A column (CSV header) or key (JSON object) given twice is refused. Every
 error names the file, the line (CSV, JSONL; the item for JSON) and the field.
 
-Azure timestamps: rows need not be in time order. A request's arrival step is
-floor((TIMESTAMP - earliest TIMESTAMP) / step_ms), so the earliest request arrives at
-step 0 wherever it is in the file; requests that arrive at the same step are admitted
+Timestamps (every format but native): rows need not be in time order. A request's
+arrival step is floor((time - earliest time) / step_ms), so the earliest request arrives
+at step 0 wherever it is in the file; requests that arrive at the same step are admitted
 in file order (continuous batching sorts by arrival step, stably).
 """
 
@@ -20,6 +30,8 @@ import io
 import json
 import math
 import re
+from dataclasses import dataclass
+from decimal import Decimal
 from pathlib import Path
 from typing import Iterable
 
@@ -27,9 +39,36 @@ import numpy as np
 
 from pkv.core.traces import MAX_ARRIVAL_STEP, MAX_LEN, MAX_REQUESTS, Trace, Transform, _trace, apply_transform
 
-NATIVE_COLUMNS = ("prompt_len", "decode_len")
-AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+@dataclass(frozen=True)
+class Format:
+    """One request-file layout: the columns (CSV header names, JSON keys) of the prompt
+    and decode lengths and of the arrival time, and the time's unit."""
+
+    name: str                 # recorded as the trace's meta["schema"]
+    prompt: str
+    decode: str
+    time: str | None = None   # None: every request arrives at step 0
+    unit: str = "step"        # step (integer arrival steps), date (Azure TIMESTAMP), s, ms
+    time_optional: bool = False      # native: a missing or empty arrival_step is step 0
+    skip_zero_decode: bool = False   # BurstGPT logs a failed request as 0 response tokens
+
+    @property
+    def needed(self) -> tuple[str, ...]:
+        return (self.prompt, self.decode) + ((self.time,) if self.time and not self.time_optional else ())
+
+
+FORMATS = (
+    Format("native", "prompt_len", "decode_len", "arrival_step", "step", time_optional=True),
+    Format("azure", "ContextTokens", "GeneratedTokens", "TIMESTAMP", "date"),
+    Format("mooncake", "input_length", "output_length", "timestamp", "ms"),
+    Format("burstgpt", "Request tokens", "Response tokens", "Timestamp", "s", skip_zero_decode=True),
+)
+TIME_UNITS = {"s": 10**9, "ms": 10**6}   # nanoseconds per unit of a numeric time column
+COLUMN_KEYS = ("prompt", "decode", "time")
+MAPPING_HINT = "name the columns with --columns prompt=NAME,decode=NAME[,time=NAME:s|ms] (config: external.columns)"
 INTEGER = re.compile(r"[+-]?[0-9]+")   # the whole text (fullmatch): "1\n00" is not 100
+NUMBER = re.compile(r"[+-]?[0-9]{1,30}(\.[0-9]{1,9})?")   # a numeric time: digits, optional decimals, no exponent
 # An Azure TIMESTAMP: date, optional time, no timezone (an offset would be converted
 # silently, and rows in several zones mixed).
 TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}([ T][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?")
@@ -70,14 +109,83 @@ def _positive(path: Path, where: str, name: str, raw) -> int:
 def _timestamp_ns(path: Path, where: str, raw) -> int:
     text = str(raw).strip()
     if not TIMESTAMP.fullmatch(text):
-        zone = " with a timezone (give every time in one zone, without an offset)" \
+        hint = " with a timezone (give every time in one zone, without an offset)" \
             if re.search(r"(Z|[+-][0-9]{2}:?[0-9]{2})$", text) else ""
+        if isinstance(raw, int) or NUMBER.fullmatch(text):   # a number in a column named TIMESTAMP
+            hint = " (a number: read a numeric time with --columns ...,time=TIMESTAMP:s|ms)"
         raise TraceFileError(f"{path}:{where}: field 'TIMESTAMP' is not a timestamp YYYY-MM-DD[ HH:MM[:SS[.f]]]"
-                             f"{zone}: {raw!r}")
+                             f"{hint}: {raw!r}")
     try:
         return int(np.datetime64(text.replace(" ", "T"), "ns").astype(np.int64))
     except (ValueError, OverflowError):
         raise TraceFileError(f"{path}:{where}: field 'TIMESTAMP' is not a timestamp: {raw!r}") from None
+
+
+def _number_ns(path: Path, where: str, name: str, raw, unit: str) -> int:
+    """A numeric time in `unit` (s, ms) as integer nanoseconds, exactly (no float rounding)."""
+    if raw is None or (isinstance(raw, str) and raw.strip() == ""):
+        raise TraceFileError(f"{path}:{where}: field '{name}' is missing a value")
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        return raw * TIME_UNITS[unit]
+    text = raw.strip() if isinstance(raw, str) else None
+    if text is None or not NUMBER.fullmatch(text):
+        shown = str(raw) if isinstance(raw, _JsonNumber) else repr(raw)
+        raise TraceFileError(f"{path}:{where}: field '{name}' must be a time in {unit} (digits, optional decimals; "
+                             f"never a date), got {shown}")
+    return int(Decimal(text) * TIME_UNITS[unit])
+
+
+def columns(prompt: str, decode: str, time: str | None = None, time_unit: str | None = None) -> Format:
+    """The layout of a column mapping; `time` may carry its unit as NAME:s or NAME:ms
+    (else `time_unit` gives it: a numeric time's unit is never guessed)."""
+    for key, value in (("prompt", prompt), ("decode", decode), ("time", time)):
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            raise ValueError(f"columns: {key} must name a column, got {value!r}")
+    if time_unit is not None and time_unit not in TIME_UNITS:
+        raise ValueError(f"columns: time unit must be s or ms, got {time_unit!r}")
+    if time is None:
+        if time_unit is not None:
+            raise ValueError(f"columns: a time unit ({time_unit}) without a time column (time=NAME)")
+        return Format("columns", prompt, decode)
+    name, _, unit = time.rpartition(":")
+    if name and unit in TIME_UNITS:
+        if time_unit is not None and time_unit != unit:
+            raise ValueError(f"columns: time={time} says {unit}, the time unit says {time_unit}")
+    else:
+        name, unit = time, time_unit
+    if unit is None:
+        raise ValueError(f"columns: time={time} needs its unit: time={time}:s or time={time}:ms "
+                         "(or --time-unit / external.time_unit)")
+    return Format("columns", prompt, decode, name, unit)
+
+
+def parse_columns(text: str) -> dict[str, str]:
+    """`prompt=NAME,decode=NAME[,time=NAME[:s|ms]]` as columns()' keyword arguments."""
+    out: dict[str, str] = {}
+    for part in text.split(","):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq or key not in COLUMN_KEYS:
+            raise ValueError(f"columns: {part.strip()!r} is not KEY=COLUMN with KEY one of {', '.join(COLUMN_KEYS)}")
+        if key in out:
+            raise ValueError(f"columns: {key} given twice")
+        out[key] = value.strip()
+    missing = [k for k in ("prompt", "decode") if k not in out]
+    if missing:
+        raise ValueError(f"columns: missing {', '.join(missing)} (prompt=NAME,decode=NAME[,time=NAME:s|ms])")
+    return out
+
+
+def detect(path: Path, names: list[str]) -> Format:
+    """The first format of FORMATS whose columns the file has; else one line naming what
+    the nearest format lacks."""
+    for f in FORMATS:
+        if all(c in names for c in f.needed):
+            return f
+    nearest = max(FORMATS, key=lambda f: sum(c in names for c in f.needed))   # ties: the first (native)
+    missing = [c for c in nearest.needed if c not in names]
+    raise TraceFileError(f"{path}:line 1: missing column(s) {', '.join(missing)} (found: {', '.join(names) or 'none'}); "
+                         f"formats: {', '.join(f.name for f in FORMATS)}, or {MAPPING_HINT}")
 
 
 def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
@@ -197,10 +305,11 @@ def _as_object(path: Path, where: str, value) -> dict:
     return value
 
 
-def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | None = None) -> Trace:
-    """Read a request file: native columns (prompt_len, decode_len[, arrival_step]) or the
-    Azure LLM inference schema (TIMESTAMP, ContextTokens, GeneratedTokens), where
-    arrival_step = floor((TIMESTAMP - first TIMESTAMP) / step_ms)."""
+def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | None = None,
+               layout: Format | None = None) -> Trace:
+    """Read a request file in the format its columns say (FORMATS), or by `layout` (a
+    column mapping, `columns()`); a timed format's arrival_step is
+    floor((time - earliest time) / step_ms)."""
     path = Path(path)
     if path.is_dir():
         raise TraceFileError(f"{path}: is a directory, not a request file")
@@ -210,49 +319,63 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
         raise TraceFileError(f"{path}: not a regular file")
     if not 0 < step_ms < math.inf:   # NaN fails too
         raise ValueError(f"step_ms must be a finite number > 0, got {step_ms}")
-    columns, rows = _records(path)
-    if all(c in columns for c in NATIVE_COLUMNS):
-        schema = "native"
-    elif all(c in columns for c in AZURE_COLUMNS):
-        schema = "azure"
+    names, rows = _records(path)
+    if layout is None:
+        fmt = detect(path, names)
     else:
-        want = NATIVE_COLUMNS if not any(c in columns for c in AZURE_COLUMNS) else AZURE_COLUMNS
-        missing = [c for c in want if c not in columns]
-        raise TraceFileError(f"{path}:line 1: missing column(s) {', '.join(missing)} (found: {', '.join(columns) or 'none'})")
+        fmt = layout
+        missing = [c for c in fmt.needed if c not in names]
+        if missing:
+            raise TraceFileError(f"{path}:line 1: missing column(s) {', '.join(missing)} of the column mapping "
+                                 f"(found: {', '.join(names) or 'none'})")
     if not rows:
         raise TraceFileError(f"{path}: the file has a header but no requests")
     arrival, prompt, decode = [], [], []
+    skipped = 0
     for where, r in rows:
-        if schema == "native":
-            prompt.append(_positive(path, where, "prompt_len", r.get("prompt_len")))
-            decode.append(_positive(path, where, "decode_len", r.get("decode_len")))
-            a = r.get("arrival_step")
-            a = 0 if a is None or a == "" else _int_field(path, where, "arrival_step", a)
+        if fmt.skip_zero_decode and _int_field(path, where, fmt.decode, r.get(fmt.decode)) == 0:
+            skipped += 1
+            continue
+        if fmt.time is None:
+            arrival.append(0)
+        elif fmt.unit == "step":
+            a = r.get(fmt.time)
+            a = 0 if a is None or a == "" else _int_field(path, where, fmt.time, a)
             if a < 0:
-                raise TraceFileError(f"{path}:{where}: field 'arrival_step' must be >= 0, got {a}")
+                raise TraceFileError(f"{path}:{where}: field '{fmt.time}' must be >= 0, got {a}")
             if a > MAX_ARRIVAL_STEP:
-                raise TraceFileError(f"{path}:{where}: field 'arrival_step' is {a}, above the maximum "
+                raise TraceFileError(f"{path}:{where}: field '{fmt.time}' is {a}, above the maximum "
                                      f"{MAX_ARRIVAL_STEP} (pkv.core.traces.MAX_ARRIVAL_STEP)")
             arrival.append(a)
+        elif fmt.unit == "date":
+            arrival.append(_timestamp_ns(path, where, r.get(fmt.time)))
         else:
-            arrival.append(_timestamp_ns(path, where, r.get("TIMESTAMP")))
-            prompt.append(_positive(path, where, "ContextTokens", r.get("ContextTokens")))
-            decode.append(_positive(path, where, "GeneratedTokens", r.get("GeneratedTokens")))
+            arrival.append(_number_ns(path, where, fmt.time, r.get(fmt.time), fmt.unit))
+        prompt.append(_positive(path, where, fmt.prompt, r.get(fmt.prompt)))
+        decode.append(_positive(path, where, fmt.decode, r.get(fmt.decode)))
         if prompt[-1] + decode[-1] > MAX_LEN:
-            names = "prompt_len + decode_len" if schema == "native" else "ContextTokens + GeneratedTokens"
-            raise TraceFileError(f"{path}:{where}: {names} = {prompt[-1] + decode[-1]} tokens, above the maximum "
-                                 f"of {MAX_LEN} (pkv.core.traces.MAX_LEN)")
-    if len(rows) > MAX_REQUESTS:
-        raise TraceFileError(f"{path}: {len(rows)} requests, above the maximum of {MAX_REQUESTS} "
+            raise TraceFileError(f"{path}:{where}: {fmt.prompt} + {fmt.decode} = {prompt[-1] + decode[-1]} tokens, "
+                                 f"above the maximum of {MAX_LEN} (pkv.core.traces.MAX_LEN)")
+    if not prompt:
+        raise TraceFileError(f"{path}: all {len(rows)} requests are failed ones ('{fmt.decode}' 0); nothing to replay")
+    if len(prompt) > MAX_REQUESTS:
+        raise TraceFileError(f"{path}: {len(prompt)} requests, above the maximum of {MAX_REQUESTS} "
                              "(pkv.core.traces.MAX_REQUESTS); split the file or cut it with --max-requests after loading")
-    arrival = np.asarray(arrival, dtype=np.int64)
-    meta = {"source": "file", "path": str(path), "schema": schema, "requests_in_file": len(rows)}
-    if schema == "azure":
-        # Unsorted rows are fine: steps count from the earliest timestamp (module docstring).
-        arrival = (arrival - arrival.min()) // int(step_ms * 1e6)
-        if arrival.max() > MAX_ARRIVAL_STEP:
-            raise TraceFileError(f"{path}: the timestamps span {int(arrival.max())} steps of {step_ms} ms, above the "
+    meta = {"source": "file", "path": str(path), "schema": fmt.name, "requests_in_file": len(rows)}
+    if layout is not None:
+        meta["columns"] = {"prompt": fmt.prompt, "decode": fmt.decode,
+                           **({"time": fmt.time, "time_unit": fmt.unit} if fmt.time else {})}
+    if fmt.skip_zero_decode:
+        meta["skipped_failed"] = skipped
+    if fmt.unit != "step":
+        # Python ints: a span of numeric times may exceed int64 nanoseconds before it is refused.
+        step_ns = max(1, int(step_ms * 1e6))
+        first = min(arrival)
+        steps = [(a - first) // step_ns for a in arrival]
+        if max(steps) > MAX_ARRIVAL_STEP:
+            raise TraceFileError(f"{path}: the timestamps span {max(steps)} steps of {step_ms} ms, above the "
                                  f"maximum of {MAX_ARRIVAL_STEP} (pkv.core.traces.MAX_ARRIVAL_STEP); use a longer --step-ms")
+        arrival = steps
         meta["step_ms"] = step_ms
-    trace = _trace(path.stem, arrival, prompt, decode, meta)
+    trace = _trace(path.stem, np.asarray(arrival, dtype=np.int64), prompt, decode, meta)
     return apply_transform(trace, transform) if transform else trace
