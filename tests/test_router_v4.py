@@ -206,7 +206,7 @@ def test_a_step_routed_to_pkv_graph_runs_its_oracle_and_matches_the_reference():
 # ---------------------------------------------------------------- cache and decision time
 
 
-def test_cached_decision_equals_the_uncached_one_with_the_graph_route():
+def test_cached_decision_equals_the_uncached_one_with_the_graph_route(capsys):
     """On recorded steps of every serving point, both objectives, H200-like constants
     with a graph fit; reports the median decision time (asserts none)."""
     cfg = load_config(ROOT / "results" / "config.json")
@@ -232,8 +232,9 @@ def test_cached_decision_equals_the_uncached_one_with_the_graph_route():
                     taken.add(got.route)
                     checked += 1
     assert checked > 2000 and GRAPH in taken
-    print(f"\nrouter v4 decision, cached: median {1e6 * statistics.median(times):.1f} us, "
-          f"p90 {1e6 * float(np.percentile(times, 90)):.1f} us over {len(times)} steps; routes {sorted(taken)}")
+    with capsys.disabled():   # reported, not asserted: a CPU test's timing says nothing of the H200 host
+        print(f"\nrouter v4 decision, cached: median {1e6 * statistics.median(times):.1f} us, "
+              f"p90 {1e6 * float(np.percentile(times, 90)):.1f} us over {len(times)} steps; routes {sorted(taken)}")
 
 
 # ---------------------------------------------------------------- the spec option
