@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pkv.config.resolve import ConfigError
 from pkv.config.seeds import check_seed, stage_seeds
-from pkv.config.stages import STAGES
+from pkv.config.stages import STAGES, external_identity
 
 # raw/<stage>/<file> of one job, from its identity (the keys of stage_jobs' dicts).
 STAGE_FILES = {"calibrate": "calibration.parquet", "nsight_kernels": "ncu.parquet",
@@ -47,7 +47,7 @@ def stage_jobs(cfg: dict, stage: str) -> list[dict]:
     if stage == "kv_fp8":
         return [{"seed": s} for s in seeds]
     if stage == "external":
-        return [{}]
+        return [{"name": external_identity(cfg["external"])[0]}]
     if stage == "nsight_kernels":
         return [{}] if cfg["nsight"] else []
     if stage == "calibrate":

@@ -52,11 +52,25 @@ STAGES: dict[str, Stage] = {
                     "s{seed}.parquet", (("seed", "seed"),)),
     "mlp_proxy": Stage("mlp-proxy", "Table 3: attention + gated MLP tail on one seed", "mlp_proxy", "s{seed}.parquet",
                        (("seed", "seed"),)),
-    "external": Stage("external", "the external request trace named in the config", "external", "azure2023.parquet",
+    "external": Stage("external", "the external request trace named in the config", "external", "{name}.parquet",
                       (("trace", "path"),)),
     "nsight": Stage("nsight-trace", "the short trace the nsight stage profiles (under ncu: `pkv nsight`)",
                     "nsight_trace", "ncu.run.parquet", raw=False),
 }
+
+
+# The external trace's name and title where the config gives none: the committed
+# reference run's Azure trace, so its config (and hash) and its file names stay as they were.
+EXTERNAL_NAME = "azure2023"
+EXTERNAL_TITLE = "External request trace (Azure LLM inference 2023, conversation)"
+
+
+def external_identity(section: dict) -> tuple[str, str]:
+    """(name, title) of the config's external trace: its name is the slug of its files
+    (raw/external/NAME.parquet), its title the external table's."""
+    name = section.get("name") or EXTERNAL_NAME
+    title = section.get("title") or (EXTERNAL_TITLE if name == EXTERNAL_NAME else f"External request trace ({name})")
+    return name, title
 
 
 def by_command(command: str) -> tuple[str, Stage]:

@@ -183,6 +183,15 @@ class MlpProxy:
 
 
 @dataclass(frozen=True)
+class ExternalColumns:
+    """A column mapping (pkv.core.trace_files.columns); time may be NAME:s or NAME:ms."""
+
+    prompt: str
+    decode: str
+    time: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class External:
     path: str
     step_ms: float
@@ -192,6 +201,12 @@ class External:
     max_active: int
     operating_point: Point
     engines: tuple[str, ...]
+    # Optional, absent in the committed config (its hash stays): the trace's name and title
+    # (pkv.config.stages.external_identity gives the defaults) and a column mapping.
+    name: Optional[str] = None
+    title: Optional[str] = None
+    columns: Optional[ExternalColumns] = None
+    time_unit: Optional[str] = None
 
 
 @dataclass(frozen=True)

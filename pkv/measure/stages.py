@@ -23,11 +23,12 @@ from pkv.engines.base import Engine
 from pkv.core.harness import StepState, decode_steps
 from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
+from pkv.config.stages import external_identity
 from pkv.config.typed import Config, KvFp8
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
-from pkv.core.trace_files import load_trace
+from pkv.core.trace_files import columns, load_trace
 from pkv.core.traces import SyntheticSpec, Trace, Transform, synthetic
 
 Result = tuple[pd.DataFrame, dict]
@@ -58,9 +59,18 @@ def synthetic_trace(cfg: Config | dict, family: str, seed: int, **overrides) -> 
 
 
 def external_trace(cfg: Config | dict, path: str | Path) -> Trace:
-    """The request file loaded with the config's step length and recorded transform."""
+    """The request file loaded with the config's step length, column mapping (if any) and
+    recorded transform."""
     c = Config.of(cfg).external
-    return load_trace(path, step_ms=c.step_ms,
+    layout = None
+    if c.columns is not None:
+        try:
+            layout = columns(c.columns.prompt, c.columns.decode, c.columns.time, c.time_unit)
+        except ValueError as e:
+            raise ValueError(f"config: external.{e}") from None
+    elif c.time_unit is not None:
+        raise ValueError("config: external.time_unit is the unit of external.columns.time; give external.columns")
+    return load_trace(path, step_ms=c.step_ms, layout=layout,
                       transform=Transform(c.prompt_scale, max_len=c.max_len, max_requests=c.max_requests))
 
 
@@ -266,7 +276,10 @@ def external(cfg: Config | dict, k: Constants, trace: Path) -> Result:
     job = Job("external", trace.name, "external", c.max_active, seed, shape.group)
     op = c.operating_point
     frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(op.family, op.max_active))
-    return frame, _meta(trace, step_ms=c.step_ms)
+    # The trace's identity travels with its file: the report titles the table from it.
+    name, title = external_identity({"name": c.name, "title": c.title})
+    return frame, _meta(trace, step_ms=c.step_ms, trace_name=name, trace_title=title,
+                        trace_format=trace.meta["schema"])
 
 
 def nsight_trace(cfg: Config | dict, k: Constants) -> Result:

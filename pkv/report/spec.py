@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pkv.config.stages import EXTERNAL_TITLE
+
 
 @dataclass(frozen=True)
 class TableSpec:
@@ -70,8 +72,9 @@ TABLE_SPECS = {
     "ablations": TableSpec("Implementation ablations: fused merge, row-local bounds, early exit, indexed Q/O, CUDA-graph replay",
                            "Graph ms/step is the CUDA-graph replay of run() (no host overhead).", ("implementation",),
                            ("Engine",)),
-    "external": TableSpec("External request trace (Azure LLM inference 2023, conversation)",
-                          "Ratios over the faster FlashInfer variant.", ("external",), ("Engine",)),
+    # Its title is the trace's own (the Parquet's trace_title, pkv.report.tables.heading);
+    # this one is for files measured before traces were named.
+    "external": TableSpec(EXTERNAL_TITLE, "Ratios over the faster FlashInfer variant.", ("external",), ("Engine",)),
     "kernels": TableSpec("Decode kernels, device time",
                          "pkv-graph against FlashInfer's CUDA-core, tensor-core and persistent decode over batch x "
                          "context, ragged mixes and GQA group x head_dim; the table also states the kernel issue's "

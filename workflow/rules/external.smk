@@ -1,4 +1,9 @@
-# The external request trace (Azure LLM inference 2023) through the file-based trace path.
+# The external request trace (config external.path; the Azure LLM inference 2023 trace in
+# the committed config) through the file-based trace path: a named stage, its files
+# raw/external/NAME.parquet (external.name, pkv.config.stages.external_identity).
+
+EXTERNAL_FILE = next(iter(stage_files(C, "external")))   # NAME.parquet: the one job of the stage
+EXTERNAL_NAME = EXTERNAL_FILE.removesuffix(".parquet")
 
 
 rule replay_external:
@@ -8,11 +13,11 @@ rule replay_external:
         constants=inp(rules.calibrate_device.output.constants),
         trace=inp(C["external"]["path"]),
     output:
-        parquet=out("raw/external/azure2023.parquet"),
+        parquet=out(f"raw/external/{EXTERNAL_FILE}"),
     log:
-        out("logs/external/azure2023.log"),
+        out(f"logs/external/{EXTERNAL_NAME}.log"),
     benchmark:
-        out("benchmarks/external/azure2023.tsv")
+        out(f"benchmarks/external/{EXTERNAL_NAME}.tsv")
     resources:
         gpu=1,
     conda:
