@@ -44,7 +44,7 @@ def stage_jobs(cfg: dict, stage: str) -> list[dict]:
     if stage == "mlp_proxy":
         c = cfg["mlp_proxy"]
         return [{"family": c["family"], "max_active": c["max_active"], "seed": s} for s in seeds]
-    if stage == "kv_fp8":
+    if stage in ("kv_fp8", "model_step"):
         return [{"seed": s} for s in seeds]
     if stage == "external":
         return [{"name": external_identity(cfg["external"])[0]}]
@@ -56,7 +56,7 @@ def stage_jobs(cfg: dict, stage: str) -> list[dict]:
 
 
 _SEEDED = ("serve", "split_sensitivity", "b4_sweep", "gqa_sweep", "raggedness", "implementation", "kv_fp8",
-           "mlp_proxy")
+           "mlp_proxy", "model_step")
 
 
 def file_name(stage: str, job: dict) -> str:

@@ -30,6 +30,7 @@ class Stage:
     fixed: tuple[tuple[str, object], ...] = ()   # arguments the function always gets from this row
     module: str = "pkv.measure.stages"
     raw: bool = True       # its files are a raw stage the report reads (False: parsed into another first)
+    folder: str = ""       # raw/<folder>/ where several commands write one folder (default: the stage's name)
 
 
 STAGES: dict[str, Stage] = {
@@ -54,6 +55,15 @@ STAGES: dict[str, Stage] = {
                        (("seed", "seed"),)),
     "external": Stage("external", "the external request trace named in the config", "external", "{name}.parquet",
                       (("trace", "path"),)),
+    # The model step (pkv.measure.model_step): outside the job grid of `all` (its rules are
+    # named targets, workflow/rules/model.smk), both commands writing raw/model_step/; the
+    # external trace's file is named like the external stage's (external_identity).
+    "model_step": Stage("model-step", "model-level decode step: N layers, per-layer KV, one CUDA graph per bucket, "
+                        "one held-out seed", "model_step", "s{seed}.parquet", (("seed", "seed"),),
+                        module="pkv.measure.model_step", raw=False, folder="model_step"),
+    "model_step_external": Stage("model-step-external", "the model-level decode step on the external request trace",
+                                 "model_step_external", "{name}.parquet", (("trace", "path"),),
+                                 module="pkv.measure.model_step", raw=False, folder="model_step"),
     "nsight": Stage("nsight-trace", "the short trace the nsight stage profiles (under ncu: `pkv nsight`)",
                     "nsight_trace", "ncu.run.parquet", raw=False),
 }

@@ -1,39 +1,115 @@
-"""The model-level decode step on the GPU (pkv.measure.model_step): graphs captured once per bucket,
-replayed over traces whose steps are padded, checked against FlashInfer eager at every step.
+"""The model-level decode step on the GPU (pkv measure model-step): per-layer KV, the whole
+N-layer step captured once per bucket (pkv-graph through the public DecodeWrapper, and
+FlashInfer's CUDA-graph path) and replayed over ragged, padded steps, checked at every step
+against FlashInfer eager on the 16-bit cache, on the 16-bit and on the FP8 cache.
 
-Small shapes (2-3 layers) so the test takes seconds; the benchmark itself is
-`python -m pkv.measure.model_step`.
+Small shapes (4 layers) so the tests take seconds; the benchmark itself is the stage
+(`pkv measure model-step --seed S`, workflow/rules/model.smk).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 import pytest
 import torch
+import yaml
 
+from pkv.config.resolve import effective
+from pkv.config.typed import Config
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.engines import model as runners
+from pkv.measure import model_plan as mp
+from pkv.measure import model_runners as mr
 from pkv.measure import model_step as ms
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+REPO = Path(__file__).resolve().parents[2]
+RAW = yaml.safe_load((REPO / "config.yaml").read_text())
+ENGINES = ["pkv-graph", "flashinfer-graph", "flashinfer-eager"]
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_graph_steps_match_flashinfer_eager(head_dim):
-    args = ms.build_parser().parse_args(["--out", "unused", "--families", "homogeneous,azure", "--buckets", "1,8,32",
-                                         "--steps", "3", "--engines", "pkv-graph,flashinfer-graph,flashinfer-eager"])
-    plan = ms.build_plan(args)
-    heads = 8
-    plan.shapes = [ms.ModelShape(f"tiny-d{head_dim}", 3 if head_dim == 64 else 2, heads * head_dim, heads, 2,
-                                 head_dim, 4 * heads * head_dim)]
+
+def plan(shape: runners.ModelShape, kv_dtypes, engines=ENGINES, constants=None) -> mp.Plan:
+    raw = {**RAW, "model_step": {"buckets": [1, 8, 32], "steps": 3, "engines": engines, "kv_dtypes": kv_dtypes}}
+    cfg = Config.from_dict(effective(raw, "paper"))
+    seed = cfg.seeds.heldout[0]
+    jobs = [mp.TraceJob(t.name, f, seed, t) for f in ("homogeneous", "bimodal") for t in (ms.synthetic_trace(cfg, f, seed),)]
+    p = mp.build_plan(cfg, jobs, constants)
+    p.shapes = [shape]
+    return p
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])   # GQA-4 (8B-like) and GQA-8 (70B-like)
+def test_four_layers_per_layer_kv_in_one_graph_match_flashinfer_eager(kv_heads):
+    heads, d = 8, 128
+    shape = runners.ModelShape(f"tiny-g{heads // kv_heads}", 4, heads * d, heads, kv_heads, d, 4 * heads * d)
     dropped = {}
-    frame, skipped = ms.run(plan, log=print, dropped=dropped)
-    assert dropped == {} and skipped == []
+    frame = ms.run(plan(shape, ["auto", "fp8"]), log=print, dropped=dropped)
+    assert dropped == {}
     steps = frame[frame["kind"] == "step"]
-    assert set(steps["engine"]) == {"pkv-graph", "flashinfer-graph", "flashinfer-eager"}
-    # homogeneous has 16 requests: max_active 32 runs 16-row steps in bucket 32 (padded).
-    assert ((steps["bucket"] > steps["active"]).any())
+    assert set(steps["engine"]) == set(ENGINES) and set(steps["kv_dtype"]) == {"auto", "fp8"}
+    assert (steps["kv_layers"] == 4).all()
+    assert set(steps[steps["engine"] != "flashinfer-eager"]["launch"]) == {"graph"}
+    assert (steps["bucket"] > steps["active"]).any()   # padded steps ran
     bad = steps[steps["failed"]]
-    assert bad.empty, bad[["trace", "max_active", "step", "engine", "rel_err"]].to_string()
+    assert bad.empty, bad[["trace", "kv_dtype", "max_active", "step", "engine", "rel_err"]].to_string()
     assert steps["device_s"].gt(0).all() and steps["prepare_s"].gt(0).all()
+    auto = steps[steps["kv_dtype"] == "auto"]
+    assert (auto["rel_err"] < ms.TOLERANCE["float16"]).all()
+    # FP8 against the 16-bit baseline: pkv-graph's rounding error is FlashInfer FP8's, give or take.
+    fp8 = steps[steps["kv_dtype"] == "fp8"].groupby("engine")["rel_err"].max()
+    assert fp8["pkv-graph"] <= 2 * fp8["flashinfer-graph"] + 1e-3, fp8.to_dict()
     pipe = frame[frame["kind"] == "pipelined"]
-    assert (pipe["wall_s"] > 0).all() and len(pipe) == 3 * 2 * 3
+    assert (pipe["wall_s"] > 0).all() and len(pipe) == 2 * 2 * 3 * 3   # kv dtypes x traces x buckets x engines
+
+
+def test_the_captured_graph_reads_each_layers_kv_and_the_new_metadata():
+    """One graph over 4 layers' own caches: a ragged padded step, then a second step with other
+    lengths replayed after update(), each against the FP32 reference of every layer's own KV."""
+    shape = runners.ModelShape("tiny", 4, 8 * 128, 8, 2, 128, 2048)
+    s = shape.attention(16, "float16")
+    a = assign_pages(np.array([700, 90, 3000, 17, 1500]), 16, 0.5, seed=5)
+    caches = ms.layer_caches(s, a, "cuda", 11, shape.layers)
+    model = runners.DecoderModel(shape, torch.float16, "cuda", 3)
+    xs = {8: torch.zeros(8, shape.hidden, dtype=torch.float16, device="cuda")}
+    built = mr.build_runners(["pkv-graph", "reference"], model, caches, xs, [8])
+    graph, ref = built["pkv-graph"], built["reference"]
+    first = StepState(0, np.array([2, 0, 4]), np.array([3000, 650, 1], dtype=np.int32))
+    second = StepState(1, np.array([1, 2, 3, 4, 0]), np.array([90, 17, 5, 1400, 700], dtype=np.int32))
+    graph.capture(8, first)
+    assert graph.launch_kind == "graph" and 8 in graph.graphs
+    for step in (first, second):
+        xs[8].normal_()
+        xs[8][step.active:].zero_()
+        graph.prepare(step, 8)
+        out = graph.launch(step, 8)[:step.active].clone()
+        ref.prepare(step, 8)
+        want = ref.launch(step, 8)
+        rel, _ = ms.errors(out, want)
+        assert rel < 1e-2, (step.step, rel)
+    # The graph reads layer 2's tensor at its address: changing it changes the replay.
+    before = graph.launch(second, 8)[:second.active].clone()
+    caches[2].kv.mul_(-1)
+    after = graph.launch(second, 8)[:second.active].clone()
+    assert not torch.allclose(before, after, atol=1e-3)
+
+
+def test_the_router_over_per_layer_kv_matches_flashinfer_eager():
+    """adaptive: one engine per layer's cache, one prepare() a step whose plan every layer's engine runs."""
+    from pkv.plan.costmodel import Constants
+
+    k = Constants.load(REPO / "results" / "calibration" / "constants.json")
+    shape = runners.ModelShape("tiny-router", 4, 32 * 128, 32, 8, 128, 4096)
+    dropped = {}
+    frame = ms.run(plan(shape, ["auto"], ["flashinfer-eager", "adaptive"], k), log=print, dropped=dropped)
+    assert dropped == {}
+    steps = frame[frame["kind"] == "step"]
+    assert set(steps["engine"]) == {"flashinfer-eager", "adaptive"}
+    bad = steps[steps["failed"]]
+    assert bad.empty, bad[["trace", "max_active", "step", "route", "rel_err"]].to_string()

@@ -1,24 +1,27 @@
-# Model-level decode step (issue 12): N decoder layers around the decode attention, one
-# CUDA graph per batch bucket; pkv-graph against FlashInfer's CUDA-graph path (plan() on
-# the host every step), FlashInfer eager and the adaptive route. One job per held-out
-# seed over the synthetic families, one for the external (Azure) trace. Shapes, buckets
-# and steps are pkv.measure.model_step's defaults (llama-1b and llama-8b, buckets 1/8/32, 16
-# steps); the smoke profile runs its CPU version. See docs/graph-decode.md.
+# Model-level decode step (issues 12, 23): N decoder layers around the decode attention,
+# each layer with its own KV, one CUDA graph per batch bucket; pkv-graph (the public
+# DecodeWrapper) against FlashInfer's CUDA-graph path (plan() on the host every step),
+# FlashInfer eager and the adaptive route, on the 16-bit and the FP8 cache. One job per
+# held-out seed over the synthetic families, one for the external (Azure) trace. Shapes,
+# buckets, families, steps, engines, repeats and KV dtypes: the config's optional
+# `model_step` section (pkv.measure.model_plan.PROFILE_DEFAULTS where absent). Named
+# targets, outside `all` (pkv.report.spec: in_all=False). See docs/graph-decode.md.
 
-MODEL_STEP_FAMILIES = "bimodal,zipf"   # synthetic families of the model step (until config.yaml names them)
+from pkv.config.stages import STAGES, external_identity
+
+MODEL_STEP_RAW = f"raw/{STAGES['model_step'].folder}"   # both commands write it (pkv.config.stages)
+MODEL_STEP_EXTERNAL = STAGES["model_step_external"].file.format(name=external_identity(C["external"])[0])
 
 
 rule model_step:
-    """Model-level decode step: N decoder layers in one CUDA graph per bucket, one held-out seed."""
+    """Model-level decode step (pkv measure model-step): per-layer KV, one CUDA graph per bucket, one held-out seed."""
     input:
         config=rules.freeze_config.output.config,
         constants=rules.calibrate_device.output.constants,
     output:
-        parquet=out("raw/model_step/s{seed}.parquet"),
+        parquet=out(f"{MODEL_STEP_RAW}/{STAGES['model_step'].file}"),
     wildcard_constraints:
         seed="|".join(HELDOUT),
-    params:
-        families=MODEL_STEP_FAMILIES,
     log:
         out("logs/model_step/s{seed}.log"),
     benchmark:
@@ -28,26 +31,26 @@ rule model_step:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.measure.model_step --config {input.config:q} --constants {input.constants:q} "
-        "--families {params.families:q} --seeds {wildcards.seed:q} --budget-s 1e9 --out {output.parquet:q} > {log:q} 2>&1"
+        "python3 -m pkv.cli measure model-step --config {input.config:q} --constants {input.constants:q} "
+        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule model_step_external:
-    """Model-level decode step on the external request trace."""
+    """Model-level decode step on the external request trace (pkv measure model-step-external)."""
     input:
         config=rules.freeze_config.output.config,
         constants=rules.calibrate_device.output.constants,
         trace=C["external"]["path"],
     output:
-        parquet=out("raw/model_step/azure2023.parquet"),
+        parquet=out(f"{MODEL_STEP_RAW}/{MODEL_STEP_EXTERNAL}"),
     log:
-        out("logs/model_step/azure2023.log"),
+        out(f"logs/model_step/{MODEL_STEP_EXTERNAL.removesuffix('.parquet')}.log"),
     benchmark:
-        out("benchmarks/model_step/azure2023.tsv")
+        out(f"benchmarks/model_step/{MODEL_STEP_EXTERNAL.removesuffix('.parquet')}.tsv")
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.measure.model_step --config {input.config:q} --constants {input.constants:q} "
-        "--families azure --budget-s 1e9 --out {output.parquet:q} > {log:q} 2>&1"
+        "python3 -m pkv.cli measure model-step-external --config {input.config:q} --constants {input.constants:q} "
+        "--trace {input.trace:q} --out {output.parquet:q} > {log:q} 2>&1"

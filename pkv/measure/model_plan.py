@@ -1,0 +1,151 @@
+"""What one model-step job measures (pkv measure model-step / model-step-external): its
+settings from the config's optional `model_step` section, its traces and steps, the batch
+buckets, and the per-layer KV caches sized from the pages the measured steps read.
+
+Memory (docs/graph-decode.md, "Memory"): every layer has its own KV tensor, so a shape's
+caches hold layers x pages x page_size x 2 (K, V) x H_kv x d x bytes. The pages are those
+the job's measured steps read (`compact`), not every page the whole trace would reserve;
+`kv_bytes` is that arithmetic, written into the file's metadata per (shape, trace).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import numpy as np
+
+from pkv.config.resolve import ConfigError, point_key
+from pkv.config.typed import Config, ModelStep
+from pkv.core.harness import StepState
+from pkv.core.paging import PageAssignment, assign_pages
+from pkv.core.shape import Shape
+from pkv.core.traces import Trace
+from pkv.engines.model import CPU_ENGINES, GPU_ENGINES, MODEL_SHAPES, ModelShape
+
+# The section's defaults per profile: a config without `model_step` (or without one of
+# its keys) runs these. Paper: today's shapes (llama-1b, llama-8b) and the 70B-like GQA-8
+# shape, the buckets serving engines capture, FlashInfer's two practices and the router.
+PROFILE_DEFAULTS = {
+    "paper": ModelStep(shapes=("llama-1b", "llama-8b", "llama-70b"), buckets=(1, 8, 32), families=("bimodal", "zipf"),
+                       steps=16, engines=GPU_ENGINES, repeats=2, kv_dtypes=("auto", "fp8")),
+    "smoke": ModelStep(shapes=("smoke", "smoke-gqa8"), buckets=(1, 4), families=("bimodal",), steps=4,
+                       engines=CPU_ENGINES, repeats=1, kv_dtypes=("auto", "fp8")),
+}
+
+
+@dataclass(frozen=True)
+class TraceJob:
+    name: str
+    family: str
+    seed: int
+    trace: Trace
+
+
+@dataclass
+class Plan:
+    """What one run measures, resolved from the config."""
+
+    cfg: Config
+    shapes: list[ModelShape]
+    buckets: list[int]
+    traces: list[TraceJob]
+    steps: int
+    engines: list[str]
+    repeats: int
+    kv_dtypes: list[str]
+    constants: object = None
+
+
+def settings(cfg: Config) -> ModelStep:
+    """The config's model_step section with every absent key at its profile's default."""
+    base = PROFILE_DEFAULTS["smoke" if cfg.profile == "smoke" else "paper"]
+    given = cfg.model_step or ModelStep()
+    return replace(base, **{f.name: getattr(given, f.name) for f in fields(ModelStep)
+                            if getattr(given, f.name) is not None})
+
+
+def build_plan(cfg: Config, traces: list[TraceJob], constants=None) -> Plan:
+    s = settings(cfg)
+    allowed = CPU_ENGINES if cfg.profile == "smoke" else GPU_ENGINES
+    wrong = [e for e in s.engines if e not in allowed]
+    if wrong:
+        raise ConfigError(f"model_step.engines: the {cfg.profile} profile runs engines from {', '.join(allowed)}; "
+                          f"got {', '.join(wrong)}")
+    if s.kv_dtypes[0] != "auto":
+        raise ConfigError("model_step.kv_dtypes: the 16-bit cache ('auto') comes first (FP8's accuracy is "
+                          "measured against it)")
+    return Plan(cfg, [MODEL_SHAPES[n] for n in s.shapes], sorted(s.buckets), traces, s.steps, list(s.engines),
+                s.repeats, list(s.kv_dtypes), constants if "adaptive" in s.engines else None)
+
+
+# ---------------------------------------------------------------- buckets and steps
+
+
+def bucket_of(active: int, buckets) -> int:
+    """The smallest bucket holding `active` rows."""
+    fits = [b for b in sorted(buckets) if b >= active]
+    if active < 1 or not fits:
+        raise ValueError(f"a step of {active} rows fits none of the batch buckets {sorted(buckets)}")
+    return fits[0]
+
+
+def spread_steps(trace: Trace, max_active: int, count: int) -> list[StepState]:
+    """`count` steps evenly spaced over the whole served trace (ramp-up, steady state and
+    drain; the first and the last step included), from pkv.core.harness continuous batching."""
+    from pkv.measure.stages import steps_of
+
+    steps = steps_of(trace, max_active, None)
+    if count >= len(steps):
+        return steps
+    return [steps[i] for i in np.unique(np.linspace(0, len(steps) - 1, count).round().astype(int))]
+
+
+def first_steps(step_sets, buckets) -> dict[int, StepState]:
+    """The first step that lands in each bucket (the one its graph is captured with)."""
+    first = {}
+    for steps in step_sets:
+        for st in steps:
+            first.setdefault(bucket_of(st.active, buckets), st)
+    return first
+
+
+def adaptive_point(constants, family: str, max_active: int, fallback: str) -> str:
+    """The frozen operating point of (family, max_active), else the family's calibrated
+    point of nearest max_active, else `fallback` (the external trace's point)."""
+    exact = point_key(family, max_active)
+    if exact in constants.operating_points:
+        return exact
+    prefix = f"{family}-b"
+    mine = [p for p in constants.operating_points if p.startswith(prefix) and p[len(prefix):].isdigit()]
+    if mine:
+        return min(mine, key=lambda p: (abs(int(p[len(prefix):]) - max_active), p))
+    return fallback
+
+
+# ---------------------------------------------------------------- per-layer KV sizing
+
+
+def compact(assignment: PageAssignment, steps) -> PageAssignment:
+    """`assignment` over only the pages the steps read (each request's first ceil(len / page)
+    pages at its longest measured length), renumbered 0..n-1 in their physical order, so the
+    scatter of the pages is kept and a cache holds no page no step reads. A page no step
+    reads maps to page 0 (it is never read)."""
+    ps = assignment.page_size
+    need = np.zeros(assignment.num_requests, dtype=np.int64)
+    for st in steps:
+        np.maximum.at(need, st.request_ids, -(-np.asarray(st.seq_lens, dtype=np.int64) // ps))
+    used = np.unique(np.concatenate([assignment.request_pages(r)[:n] for r, n in enumerate(need) if n]
+                                    or [np.zeros(1, np.int32)]))
+    remap = np.zeros(assignment.num_pages, dtype=np.int32)
+    remap[used] = np.arange(len(used), dtype=np.int32)
+    return PageAssignment(ps, len(used), assignment.page_offsets, remap[assignment.pages], assignment.reserved_len)
+
+
+def layer_assignment(trace: Trace, shape: Shape, holes: float, seed: int, steps) -> PageAssignment:
+    """The page table every layer of a (shape, trace) shares: the trace's, compacted to the measured steps."""
+    return compact(assign_pages(trace.total_len, shape.page_size, holes, seed), steps)
+
+
+def kv_bytes(shape: Shape, pages: int, layers: int) -> int:
+    """Bytes of `layers` per-layer caches of `pages` pages (K and V; FP8: one byte an element)."""
+    return layers * pages * shape.page_size * 2 * shape.num_kv_heads * shape.head_dim * shape.kv_itemsize

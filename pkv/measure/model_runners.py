@@ -1,0 +1,73 @@
+"""The model step's runner set (pkv measure model-step): pkv-graph through the public decode
+API, and `build_runners`, which names every runner of pkv.engines.model and
+pkv.engines.model_flashinfer. pkv-graph's runner lives here, not with the others, because
+the public API (pkv.api) sits above pkv.engines in the package's layering.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import numpy as np
+import torch
+
+from pkv.core.cache import PagedCache
+from pkv.engines.model import GPU_ENGINES, EngineRunner, GraphRunner, ReferenceRunner, Runner
+
+
+class PkvGraphRunner(GraphRunner):
+    """pkv-graph through the public API: one DecodeWrapper per bucket (its capacity, and so its
+    cut of the work, is the bucket's); update() once a step, run(q, layer's KV) per layer."""
+
+    name = "pkv-graph"
+
+    def __init__(self, model, caches, xs, buckets):
+        from pkv.api import DecodeWrapper
+
+        super().__init__(model, caches, xs)
+        s, c = self.cache.shape, self.cache
+        self.table = c.block_table_host           # [requests, pages]: a step's rows are its request ids
+        self.wrappers = {b: DecodeWrapper(b, self.table.shape[1], num_qo_heads=s.num_qo_heads,
+                                          num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, page_size=s.page_size,
+                                          layout="HND", dtype=s.torch_dtype, kv_fp8=s.fp8, device=c.device)
+                         for b in buckets}
+
+    def prepare(self, step, bucket):
+        width = -(-int(np.max(step.seq_lens)) // self.cache.shape.page_size)   # the pages the longest row reads
+        self.wrappers[bucket].update(self.table[step.request_ids, :width], step.seq_lens)
+
+    def attend(self, bucket):
+        wrapper, kvs, scales = self.wrappers[bucket], [c.kv for c in self.caches], self.scales
+        return lambda i, q: wrapper.run(q, kvs[i], **scales[i])
+
+
+def build_runners(names: list[str], model, caches: list[PagedCache], xs, buckets, *, constants=None,
+                  point: str = "") -> dict[str, Runner]:
+    from pkv.engines import make_engine
+    from pkv.engines.model_flashinfer import FlashInferEagerRunner, FlashInferGraphRunner
+
+    wants = [n for n in names if n.startswith("flashinfer")]
+    if wants and importlib.util.find_spec("flashinfer") is None:
+        raise ValueError(f"engines {wants} need flashinfer (pip install -e '.[gpu]')")
+
+    runners = {}
+    for name in names:
+        # FlashInfer's recommended 128 MB float workspace, zeroed, one per runner (the graph
+        # runner's per-bucket wrappers share it: they never run concurrently).
+        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=caches[0].device) if name in wants else None
+        if name == "pkv-graph":
+            runners[name] = PkvGraphRunner(model, caches, xs, buckets)
+        elif name == "flashinfer-graph":
+            runners[name] = FlashInferGraphRunner(model, caches, xs, buckets, workspace)
+        elif name == "flashinfer-eager":
+            runners[name] = FlashInferEagerRunner(model, caches, xs, buckets, workspace)
+        elif name == "adaptive":
+            if constants is None:
+                raise ValueError("engine adaptive needs the frozen constants (--constants)")
+            engines = [make_engine("adaptive", c, constants=constants, point=point) for c in caches]
+            runners[name] = EngineRunner(name, engines, model, caches, xs)
+        elif name == "reference":
+            runners[name] = ReferenceRunner(model, caches, xs)
+        else:
+            raise ValueError(f"unknown model-step engine {name!r}; choose from {GPU_ENGINES + ('reference',)}")
+    return runners
