@@ -3,7 +3,11 @@
     python -m pkv.report.model --target results/tables/model_step.md --target results/figures/model_step.png
 
 reads RESULTS_DIR/raw/model_step/*.parquet (RESULTS_DIR: two levels above the first
-target, or given). Per model shape x batch bucket x trace x engine: median serial wall and
+target, or given). Files with a `kv_dtype` column (per-layer KV, issue 23) get one row per
+KV dtype too, the FP8 rows' accuracy (rel. error against the 16-bit baseline) and their
+device-time ratio over FlashInfer's 16-bit graph path; files without it (the shared-cache
+run before) are read as they were, so their table regenerates unchanged.
+Per model shape x batch bucket x trace x engine: median serial wall and
 device time of the steps that ran in that bucket (pooled over the max_active jobs), the
 pipelined throughput of the job served at max_active = bucket, the
 ratios over FlashInfer's CUDA-graph path (speed-ups: > 1 is faster), pkv-graph's
@@ -32,12 +36,18 @@ RATIO_BASES = ("flashinfer-graph", "reference")   # the first present is the rat
 ENGINE_ORDER = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference")
 TITLE = "Model-level decode step: N layers, one CUDA graph per batch bucket"
 KEYS = ["model", "bucket", "family"]   # a synthetic trace is (family, seed); seeds aggregate
+KV_LABEL = {"auto": "16-bit", "fp8": "fp8"}
+
+
+def keys_of(frame: pd.DataFrame) -> list[str]:
+    """KEYS, and the KV dtype where the files have it (per-layer KV runs)."""
+    return [*KEYS, "kv_dtype"] if "kv_dtype" in frame.columns else list(KEYS)
 
 
 def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
     files = sorted((root / "raw" / STAGE).glob("*.parquet"))
     if not files:
-        raise ValueError(f"no Parquet under {root / 'raw' / STAGE}; run `python -m pkv.measure.model_step` first")
+        raise ValueError(f"no Parquet under {root / 'raw' / STAGE}; run `pkv measure model-step` (its rule) first")
     metas = [read_meta(f) for f in files]
     gpus = sorted({m.get("gpu", "unknown") for m in metas})
     if len(gpus) > 1:
@@ -52,8 +62,9 @@ def ratio_base(frame: pd.DataFrame) -> str:
 
 def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (KEYS, seed, engine): medians over steps, pipelined tok/s, ratios over the base."""
+    keys = keys_of(frame)
     steps = frame[frame["kind"] == "step"]
-    g = steps.groupby([*KEYS, "seed", "engine"], sort=True, observed=True)
+    g = steps.groupby([*keys, "seed", "engine"], sort=True, observed=True)
     out = pd.DataFrame({
         "steps": g.size(),
         "wall_ms": g["wall_s"].median() * 1e3,
@@ -65,14 +76,19 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
         "route": g["route"].agg(modal_route),
         "mean_context": g["total_tokens"].sum() / g["active"].sum(),
     })
-    pipe = frame[frame["kind"] == "pipelined"].groupby([*KEYS, "seed", "engine"], sort=True, observed=True)
+    pipe = frame[frame["kind"] == "pipelined"].groupby([*keys, "seed", "engine"], sort=True, observed=True)
     out["pipelined_tps"] = pipe["tokens"].sum() / pipe["wall_s"].sum()
     out = out.reset_index()
-    base = out[out["engine"] == ratio_base(frame)].set_index([*KEYS, "seed"])
-    joined = out.join(base[["wall_ms", "device_ms", "pipelined_tps"]].add_suffix("_base"), on=[*KEYS, "seed"])
+    base = out[out["engine"] == ratio_base(frame)].set_index([*keys, "seed"])
+    joined = out.join(base[["wall_ms", "device_ms", "pipelined_tps"]].add_suffix("_base"), on=[*keys, "seed"])
     out["wall_x"] = joined["wall_ms_base"] / joined["wall_ms"]
     out["device_x"] = joined["device_ms_base"] / joined["device_ms"]
     out["pipelined_x"] = joined["pipelined_tps"] / joined["pipelined_tps_base"]
+    if "kv_dtype" in keys:   # the same base engine on the 16-bit cache: what FP8 buys over 16-bit practice
+        b16 = base.reset_index()
+        b16 = b16[b16["kv_dtype"] == "auto"].set_index([*KEYS, "seed"])
+        out["device_x16"] = out.join(b16[["device_ms"]].add_suffix("_b16"), on=[*KEYS, "seed"])["device_ms_b16"] \
+            / out["device_ms"]
     return out
 
 
@@ -88,14 +104,17 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
     """The formatted table: one row per model x bucket x trace x engine."""
     s = per_seed(frame)
     base = ratio_base(frame)
+    keys = keys_of(frame)
+    kv = "kv_dtype" in keys
     rows = []
-    groups = s.groupby([*KEYS, "engine"], sort=False, observed=True)
-    order = sorted(groups.groups, key=lambda k: (k[0], k[1], k[2] == "external", k[2], _engine_rank(k[3])))
+    groups = s.groupby([*keys, "engine"], sort=False, observed=True)
+    order = sorted(groups.groups, key=lambda k: (k[0], k[1], k[2] == "external", k[2], *k[3:-1], _engine_rank(k[-1])))
     for key in order:
         g = groups.get_group(key)
-        model, bucket, family, engine = key
+        model, bucket, family, engine = key[0], key[1], key[2], key[-1]
         rows.append({
-            "Model": model, "Bucket": int(bucket), "Trace": _trace_label(family), "Engine": engine,
+            "Model": model, "Bucket": int(bucket), "Trace": _trace_label(family),
+            **({"KV": KV_LABEL.get(key[3], key[3])} if kv else {}), "Engine": engine,
             "Route": g["route"].iloc[0] if g["route"].nunique() == 1 else "mixed",
             "Seeds": g["seed"].nunique(), "Steps": int(g["steps"].sum()),
             "Context (mean)": num(g["mean_context"].mean(), ".0f"),
@@ -103,7 +122,9 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
             "Pipelined tok/s": num(g["pipelined_tps"].mean(), ".0f"),
             f"Wall × {base}": mean_sd(g["wall_x"]), f"Device × {base}": mean_sd(g["device_x"]),
             f"Pipelined × {base}": mean_sd(g["pipelined_x"]),
+            **({f"Device × {base} 16-bit": mean_sd(g["device_x16"])} if kv else {}),
             "Prepare µs": num(g["prepare_us"].median(), ".1f"),
+            **({"Rel err (max)": num(g["max_rel_err"].max(), ".1e")} if kv else {}),
             "Check fails": f"{int(g['fails'].sum())}/{int(g['checked'].sum())}",
         })
     return pd.DataFrame(rows)
@@ -124,6 +145,13 @@ CAPTION = ("Each trace is served at max_active = 1, 8 and 32 (continuous batchin
            "step. Check fails / checked: steps whose final hidden state left the tolerance against the "
            "correctness baseline's (FlashInfer eager; the FP32 reference on the CPU) for the same input. Every "
            "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
+# Per-layer KV runs (files with kv_dtype): the same table plus the KV dtype, FP8's accuracy and ratio.
+CAPTION_KV = (CAPTION.split(" Every layer reads")[0] + " Every layer attends over its own KV tensor (same page "
+              "table and lengths, its own values). KV: the 16-bit cache, or the same values in FP8 e4m3 (tensor "
+              "scales); ratios are over the base engine on the same KV dtype, and `Device × ... 16-bit` over the "
+              "base on the 16-bit cache. Rel err (max): the final hidden state's relative error against the "
+              "baseline's on the 16-bit cache (FP8 rows: the accuracy FP8 costs). Model shapes with fewer layers "
+              "than their model are named in the source line (simulated layers).")
 
 
 def provenance_line(metas: list[dict]) -> str:
@@ -137,6 +165,9 @@ def provenance_line(metas: list[dict]) -> str:
     dropped = sorted({f"{k} ({v})" for m in metas for k, v in _json_dict(m.get("engine_errors", "{}")).items()})
     if dropped:
         parts.append(f"engines dropped (capture or warm-up failed): {'; '.join(dropped)}")
+    simulated = sorted({f"{k}: {v}" for m in metas for k, v in _json_dict(m.get("simulated_layers", "{}")).items()})
+    if simulated:
+        parts.append(f"simulated layers: {'; '.join(simulated)}")
     commands = sorted({m.get("command", "") for m in metas} - {""})
     if commands:
         parts.append(f"command: `{'`; `'.join(commands)}`")
@@ -165,7 +196,8 @@ def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
     smoke = any(m.get("profile") == "smoke" for m in metas)
     banner = f"> **{SMOKE_BANNER}.**\n\n" if smoke else ""
     body = tabulate(table(frame), headers="keys", tablefmt="github", showindex=False, disable_numparse=True)
-    return f"# {TITLE}\n\n{banner}{CAPTION}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
+    caption = CAPTION_KV if "kv_dtype" in frame.columns else CAPTION
+    return f"# {TITLE}\n\n{banner}{caption}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
 
 
 def plot_model_step(frame: pd.DataFrame, smoke: bool) -> bytes:
@@ -186,15 +218,20 @@ def plot_model_step(frame: pd.DataFrame, smoke: bool) -> bytes:
         m = steps[steps["model"] == model]
         for r, (col, label) in enumerate((("wall_s", "serial wall ms / step"), ("device_s", "device ms / step"))):
             ax = axes[r][c]
+            # FP8 rows (per-layer KV files): hollow markers, the engine's colour.
+            kvs = sorted(m["kv_dtype"].unique()) if "kv_dtype" in m else [None]
             for engine in engines:
-                e = m[m["engine"] == engine]
-                for b, mk in markers.items():
-                    eb = e[e["bucket"] == b].sort_values("total_tokens")
-                    if eb.empty or eb[col].isna().all():
-                        continue
-                    ax.scatter(eb["total_tokens"], eb[col] * 1e3, s=14, marker=mk, alpha=0.7,
-                               color=colors.get(engine, "gray"),
-                               label=f"{engine}, B{b}" if c == 0 else None)
+                for kv in kvs:
+                    e = m[(m["engine"] == engine) & ((m["kv_dtype"] == kv) if kv else True)]
+                    for b, mk in markers.items():
+                        eb = e[e["bucket"] == b].sort_values("total_tokens")
+                        if eb.empty or eb[col].isna().all():
+                            continue
+                        color = colors.get(engine, "gray")
+                        tag = f" {kv}" if kv == "fp8" else ""
+                        ax.scatter(eb["total_tokens"], eb[col] * 1e3, s=14, marker=mk, alpha=0.7,
+                                   color=color, facecolors="none" if tag else color,
+                                   label=f"{engine}{tag}, B{b}" if c == 0 else None)
             if m[col].isna().all():
                 ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
             ax.set_xscale("log")
