@@ -134,6 +134,26 @@ def test_graph_rows_join_the_sweep_without_moving_the_other_fits():
                                         shape.num_kv_heads)
 
 
+def test_the_sweep_runs_pkv_graph_once_per_point_on_the_calibration_seed(monkeypatch):
+    """Per serving point: the scheduled routes at every split of the grid, then the baselines
+    and pkv-graph once (split 0), all on the calibration seed."""
+    import yaml
+
+    from pkv.config.resolve import effective
+    from pkv.measure import calibrate
+
+    cfg = effective(yaml.safe_load((ROOT / "config.yaml").read_text()), "smoke")
+    seen = []
+    monkeypatch.setattr(calibrate, "measure", lambda job, cache, steps, engines, *a, **kw: (
+        seen.append((job.family, job.max_active, job.seed, job.split, tuple(engines))), pd.DataFrame())[1])
+    calibrate.sweep(cfg, _cpu_constants(operating_points={}))
+    grid = cfg["calibration"]["split_grid"]
+    assert {s[2] for s in seen} == {cfg["seeds"]["calibration"]}
+    for p in cfg["serving"]:
+        runs = [(split, engines) for f, b, _, split, engines in seen if (f, b) == (p["family"], p["max_active"])]
+        assert runs == [*((s, ("reference", "pkv-workqueue", "pkv-bucket")) for s in grid), (0, ("reference", "pkv-graph"))]
+
+
 # ---------------------------------------------------------------- old constants, objective
 
 
