@@ -128,3 +128,8 @@ FIGURE_SPECS = {
 
 # Stages measured once per held-out seed: a table over them flags any seed that is missing.
 PER_SEED_STAGES = ("serve", "b4_sweep", "mlp_proxy")
+
+
+def in_all(spec: TableSpec | FigureSpec, profile: str) -> bool:
+    """Whether `snakemake all` of `profile` makes this table or figure."""
+    return spec.in_all and profile in spec.profiles

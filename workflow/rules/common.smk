@@ -12,7 +12,7 @@ from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coer
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
 from pkv.config.jobs import STAGE_FILES, stage_files
 from pkv.core.families import FAMILIES
-from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
+from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
 
 SCHEMA = load_schema(Path(workflow.basedir) / "workflow/schemas/config.schema.yaml")
 # Snakemake's YAML loader keeps the last of a key given twice: read config.yaml and every
@@ -138,11 +138,8 @@ def final_outputs():
     """Every table and figure of this profile that is part of `all` (pkv.report.spec), the
     Nsight capture when enabled, and for a paper run of your own, its comparison with the
     reference run."""
-    def wanted(spec):
-        return spec.in_all and PROFILE in spec.profiles
-
-    tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if wanted(t)]
-    tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLE_SPECS.items() if t.latex and wanted(t)]
-    figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if wanted(f)]
+    tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if in_all(t, PROFILE)]
+    tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE)]
+    figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
     return tables + figures + stage_outputs("nsight_kernels") + comparison
