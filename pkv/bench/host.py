@@ -37,7 +37,7 @@ from pkv.plan.costmodel import Constants
 from pkv.engines import make_engine, table
 from pkv.engines.flashinfer import plan as flashinfer_plan
 from pkv.core.harness import StepState
-from pkv.config.resolve import device_of, load_config, shape_of
+from pkv.config.resolve import config_hash, device_of, load_config, shape_of
 from pkv.config.typed import Config
 from pkv.core.paging import assign_pages, flashinfer_view
 from pkv.plan.schedule import SplitPolicy
@@ -196,7 +196,7 @@ def run_host(args) -> int:
     frame = bench(cfg, k, engines, batches, steps, min_len, max_len, args.seed)
     command = "pkv bench host " + " ".join(f"--{key.replace('_', '-')} {value}" for key, value in vars(args).items()
                                            if key not in ("func", "command", "bench") and value != "")
-    meta = {**io.provenance(io.file_hash(args.config), io.file_hash(args.constants) if args.constants else "none"),
+    meta = {**io.provenance(config_hash(cfg), io.file_hash(args.constants) if args.constants else "none"),
             "command": command, "profile": typed.profile}
     io.write_parquet(frame, args.out, meta)
     if args.table:   # also rendered by `pkv report` (target tables/host_path.md)

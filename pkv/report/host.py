@@ -7,6 +7,8 @@ import math
 
 import pandas as pd
 
+from pkv.config.resolve import SMOKE_BANNER
+
 BAR_FACTOR, BAR_US = 1.10, 10.0   # issue 13: an adapter's prepare() <= 1.10 x raw plan() + 10 us
 
 
@@ -21,9 +23,11 @@ def _route(r) -> str:
 
 def markdown(frame: pd.DataFrame, meta: dict) -> str:
     """results/tables/host_path.md from the Parquet's rows and metadata."""
+    smoke = [f"> **{SMOKE_BANNER}.**", ""] if meta.get("profile") == "smoke" else []
     lines = [
         "# Host path per decode step",
         "",
+        *smoke,
         f"Command: `{meta.get('command', '')}`  ",
         f"GPU: {meta.get('gpu', 'none')}, torch {meta.get('torch', '')}, FlashInfer {meta.get('flashinfer', '')}, "
         f"commit {meta.get('git_commit', '')}, constants {meta.get('constants_hash', 'none')}  ",
