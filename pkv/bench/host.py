@@ -110,6 +110,12 @@ def time_engine(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> 
             "route_exact_us": us(exact) if exact else math.nan}
 
 
+# The columns that hold a measured time (or a bar made from one): two runs of the same
+# config agree on every other column, never on these.
+MEASURED_TIMES = ("prepare_us", "prepare_p90_us", "launch_us", "wall_us", "route_us", "route_max_us",
+                  "route_exact_us", "raw_plan_us", "view_us", "bar_us")
+
+
 def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
     """FlashInfer's own plan() on the prebuilt arrays of each step, called on the wrapper
     directly; and the cost of building those arrays (the adapter does it off the timed path)."""
@@ -169,8 +175,7 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
         if cuda:
             torch.cuda.empty_cache()
     frame = pd.DataFrame(rows)
-    for col in ("route", "prepare_us", "prepare_p90_us", "launch_us", "wall_us", "route_us", "route_max_us", "route_exact_us",
-                "raw_plan_us", "view_us", "bar_us", "meets_bar"):
+    for col in ("route", *MEASURED_TIMES, "meets_bar"):
         if col not in frame:
             frame[col] = math.nan
     frame["meets_bar"] = frame["meets_bar"].astype("boolean")
