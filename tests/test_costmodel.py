@@ -18,6 +18,7 @@ from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
 from pkv.core.shape import Shape
+from router_constants import cpu_constants
 
 H200_LIKE = Constants(
     device="constructed", beta=4.0e12, launch_s=5e-6, sm_count=132, c_min=4.0,
@@ -151,10 +152,7 @@ TINY = Shape(8, 2, 16, 4, "float16")
 
 
 def _cpu_constants(**changes):
-    k = Constants(device="cpu", beta=1e9, launch_s=1e-6, sm_count=8, c_min=4.0,
-                  baseline_ctas_per_head={"reference": 1.0}, margins=((1024, 1.05),), supported_groups=(4,),
-                  min_context=64, min_tiles_per_split=1, operating_points={"p": {"bucket": 4, "workqueue": 4}})
-    return dataclasses.replace(k, **changes)
+    return cpu_constants(**{"graph": None, **changes})   # the v3 router: no pkv-graph fit
 
 
 def _cache(shape=TINY, lens=(301, 77, 150)):

@@ -32,12 +32,14 @@ from pkv.core.harness import StepState
 from pkv.core.io import read_meta, write_parquet
 from pkv.core.paging import assign_pages, flashinfer_view
 from pkv.engines import model as runners
+from pkv.engines import table
 from pkv.engines.model_flashinfer import padded_flashinfer_view
 from pkv.kernels.reference import attention_reference
 from pkv.measure import model_plan as mp
 from pkv.measure import model_runners as mr
 from pkv.measure import model_step as ms
 from pkv.report import model as rm
+from router_constants import cpu_constants
 
 REPO = Path(__file__).resolve().parents[1]
 RAW = yaml.safe_load((REPO / "config.yaml").read_text())
@@ -410,3 +412,49 @@ def test_report_refuses_a_missing_stage_and_mixed_gpus(tmp_path):
         write_parquet(frame, tmp_path / "raw" / "model_step" / f"{name}.parquet", {"gpu": gpu})
     with pytest.raises(ValueError, match="several GPU models"):
         rm.load(tmp_path)
+
+
+@pytest.mark.parametrize("name", table.cpu_engines())
+def test_one_plan_serves_every_layer_on_its_own_kv(name):
+    """Any engine: one prepare() a step, then run(q, plan, caches[i]) reads layer i's KV (not
+    the engine's own cache); a cache over another page table is refused by name."""
+    from pkv.engines import make_engine
+
+    s = runners.MODEL_SHAPES["smoke"].attention(4, "float16")
+    step = StepState(0, np.array([2, 0, 3]), np.array([30, 9, 1], dtype=np.int32))
+    assignment = mp.compact(assign_pages(np.array([12, 31, 40, 5]), 4, 0.5, seed=3), [step])
+    caches = ms.layer_caches(s, assignment, "cpu", 7, 3)
+    options = {"constants": cpu_constants(), "point": "p"} if name == "adaptive" else {}
+    engine = make_engine(name, caches[0], **options)
+    plan = engine.prepare(step)
+    rows = getattr(plan, "rows", step.active)
+    q = caches[0].query(rows, 5)
+    table, lens = caches[0].block_table[torch.as_tensor(step.request_ids)], torch.as_tensor(step.seq_lens)
+    for c in caches:
+        out = engine.run(q, plan, c)[:step.active].float()
+        torch.testing.assert_close(out, attention_reference(q[:step.active], c.values(), table, lens),
+                                   atol=2e-3, rtol=2e-3)
+    other = ms.layer_caches(s, assign_pages(np.array([12, 31, 40, 5]), 4, 0.5, seed=4), "cpu", 7, 1)[0]
+    with pytest.raises(ValueError, match="share the engine's page table"):
+        engine.run(q, plan, other)
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["routed-to-pkv-graph", "routed-to-a-v3-route"])
+def test_the_router_runner_plans_once_and_reads_each_layers_kv(graph):
+    """adaptive in the model step: one engine, one prepare() a step, each layer its own KV:
+    the runner's output equals the reference runner's over the same per-layer caches."""
+    shape = runners.MODEL_SHAPES["smoke"]
+    s = shape.attention(4, "float16")
+    step = StepState(0, np.array([2, 0, 3]), np.array([301, 150, 40], dtype=np.int32))
+    assignment = mp.compact(assign_pages(np.array([160, 310, 400, 50]), 4, 0.5, seed=3), [step])
+    caches = ms.layer_caches(s, assignment, "cpu", 7, shape.layers)
+    model = runners.DecoderModel(shape, torch.float16, "cpu", 1)
+    xs = {4: torch.randn(4, shape.hidden).to(torch.float16)}
+    k = cpu_constants(min_context=1) if graph else cpu_constants(graph=None, min_context=1)
+    got = mr.build_runners(["adaptive", "reference"], model, caches, xs, [4], constants=k, point="p")
+    outs = {}
+    for name, runner in got.items():
+        runner.prepare(step, 4)
+        outs[name] = runner.launch(step, 4).float()
+    assert got["adaptive"].route.startswith("pkv-graph" if graph else "pkv-")
+    torch.testing.assert_close(outs["adaptive"], outs["reference"], atol=2e-2, rtol=2e-2)

@@ -30,6 +30,7 @@ from pkv.plan.costmodel import (GRAPH, OBJECTIVES, Constants, GraphFit, RouteCos
                                 graph_cost, graph_counts)
 from pkv.plan.device_schedule import graph_pieces
 from pkv.plan.schedule import SplitPolicy, slot_bytes
+from router_constants import cpu_constants
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "calibration" / "constants.json"
@@ -146,7 +147,7 @@ def test_the_sweep_runs_pkv_graph_once_per_point_on_the_calibration_seed(monkeyp
     seen = []
     monkeypatch.setattr(calibrate, "measure", lambda job, cache, steps, engines, *a, **kw: (
         seen.append((job.family, job.max_active, job.seed, job.split, tuple(engines))), pd.DataFrame())[1])
-    calibrate.sweep(cfg, _cpu_constants(operating_points={}))
+    calibrate.sweep(cfg, cpu_constants(operating_points={}))
     grid = cfg["calibration"]["split_grid"]
     assert {s[2] for s in seen} == {cfg["seeds"]["calibration"]}
     for p in cfg["serving"]:
@@ -180,14 +181,14 @@ def test_old_constants_have_no_graph_route_and_route_as_before():
 
 
 def test_adaptive_with_old_constants_builds_no_graph_route():
-    engine = make_engine("adaptive", _cache(), constants=_cpu_constants(graph=None), point="p")
+    engine = make_engine("adaptive", _cache(), constants=cpu_constants(graph=None), point="p")
     assert GRAPH not in engine.pkv and engine.router.graph is None
     assert engine.prepare(_step([301, 77, 150])).route != "pkv-graph"
 
 
 def test_objective_switches_the_decision_where_host_time_dominates():
     """pkv-graph slower on the device, far cheaper on the host: serial takes it, overlapped not."""
-    k = _cpu_constants(graph=GraphFit(1.5e-3, 0.0, 0.0, 264, 4),
+    k = cpu_constants(graph=GraphFit(1.5e-3, 0.0, 0.0, 264, 4),
                        host_s={"reference": 2e-3, "graph": 6e-5, "bucket": 5e-3, "workqueue": 5e-3})
     base = [RouteCost("reference", 1e6, 64, 1, 0.0)]          # 1 ms + 1 us on the device
     graph = [RouteCost(GRAPH, 1e6, 64, 1, 0.0)]
@@ -207,7 +208,7 @@ def test_objective_switches_the_decision_where_host_time_dominates():
 
 def test_a_step_routed_to_pkv_graph_runs_its_oracle_and_matches_the_reference():
     cache = _cache()
-    engine = make_engine("adaptive", cache, constants=_cpu_constants(), point="p")
+    engine = make_engine("adaptive", cache, constants=cpu_constants(), point="p")
     step = _step([301, 77, 150])
     plan = engine.prepare(step)
     assert plan.route == "pkv-graph" and isinstance(plan.engine, GraphEngine)
@@ -275,7 +276,7 @@ def test_objective_is_a_spec_option_and_a_misspelling_is_refused():
         table.parse_spec("pkv-graph:objective=serial")
     with pytest.raises(ValueError, match="key=true, key=false or key=<integer>"):
         table.parse_spec("pkv-graph:min_tiles=serial")
-    engine = build_engine("adaptive:objective=overlapped", _cache(), _cpu_constants(), "p")
+    engine = build_engine("adaptive:objective=overlapped", _cache(), cpu_constants(), "p")
     assert engine.router.objective == "overlapped"
 
 
@@ -328,15 +329,6 @@ def test_report_rows_for_both_objectives_and_pkv_graph(tmp_path):
 def _k_report(fit):
     return Constants("t", 4e12, 1e-5, 132, 1.0, {"flashinfer": 4.0, "flashinfer-tc": 4.0}, ((1024, 1.05),), (4,), 1,
                      4, graph=fit)
-
-
-def _cpu_constants(**changes):
-    """CPU constants where pkv-graph wins: its fit at the CPU oracle's grid, cheap enough."""
-    k = Constants(device="cpu", beta=1e9, launch_s=1e-6, sm_count=8, c_min=4.0,
-                  baseline_ctas_per_head={"reference": 1.0}, margins=((1024, 1.05),), supported_groups=(4,),
-                  min_context=64, min_tiles_per_split=1, operating_points={"p": {"bucket": 4, "workqueue": 4}},
-                  graph=GraphFit(1e-7, 1e-10, 1e-10, 264, 4))
-    return dataclasses.replace(k, **changes)
 
 
 def _cache(shape=Shape(8, 2, 16, 4, "float16"), lens=(301, 77, 150, 40, 40, 40, 40, 40)):

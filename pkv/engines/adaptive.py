@@ -99,8 +99,8 @@ class AdaptiveEngine(Engine):
         # Counters stay with the inner plan (GPU engines compute them lazily, off the timed path).
         return AdaptivePlan(step, inner.route, inner.launches, None, engine, inner, decision.estimate_s, route_s)
 
-    def run(self, q: torch.Tensor, plan: AdaptivePlan) -> torch.Tensor:
-        return plan.engine.run(q, plan.inner)
+    def run(self, q: torch.Tensor, plan: AdaptivePlan, layer: PagedCache | None = None) -> torch.Tensor:
+        return plan.engine.run(q, plan.inner, self.layer(layer))
 
 
 def _graph_runs(cache: PagedCache) -> bool:

@@ -1,4 +1,4 @@
-"""What every engine offers: prepare(step) -> plan, run(q, plan) -> out."""
+"""What every engine offers: prepare(step) -> plan, run(q, plan[, layer]) -> out."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ class Engine(ABC):
     pinned staging, workspaces) is built once, in the constructor: an engine is built per
     cache, i.e. per trace.
 
+    run(q, plan, layer) reads another PagedCache over the same page table and shape (a
+    model's layer i, each with its own KV tensor and FP8 scales): one prepare() a step
+    serves every layer, as a serving engine plans once for all its layers.
+
     `validate` (default on) checks each step's lengths and each query's shape in
     prepare()/run(). A serving engine does not run these checks per step, so the
     measurement loop runs them once per step outside the timed region and turns them off
@@ -53,8 +57,17 @@ class Engine(ABC):
         if self.validate:
             check_query(q, self.cache.shape, plan.step.active, self.cache.device)
 
+    def layer(self, cache: PagedCache | None) -> PagedCache:
+        """The cache run() reads: `cache` (a layer's, sharing this engine's page table) or its own."""
+        if cache is None or cache is self.cache:
+            return self.cache
+        if self.validate and (cache.assignment is not self.cache.assignment or cache.shape != self.cache.shape
+                              or cache.kv.shape != self.cache.kv.shape or cache.device != self.cache.device):
+            raise ValueError(f"{self.name}: a layer's cache must share the engine's page table, shape and device")
+        return cache
+
     @abstractmethod
     def prepare(self, step: StepState) -> Plan: ...
 
     @abstractmethod
-    def run(self, q: torch.Tensor, plan: Plan) -> torch.Tensor: ...
+    def run(self, q: torch.Tensor, plan: Plan, layer: PagedCache | None = None) -> torch.Tensor: ...

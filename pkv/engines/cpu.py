@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.core.harness import StepState
 from pkv.kernels.reference import attention_reference, run_schedule
@@ -29,9 +30,9 @@ class ReferenceEngine(Engine):
         ids = torch.as_tensor(step.request_ids, device=self.cache.device)
         return TablePlan(step, "reference", step.active, None, self.cache.block_table[ids], torch.as_tensor(step.seq_lens))
 
-    def run(self, q: torch.Tensor, plan: TablePlan) -> torch.Tensor:
+    def run(self, q: torch.Tensor, plan: TablePlan, layer: PagedCache | None = None) -> torch.Tensor:
         self.check_query(q, plan)
-        return attention_reference(q, self.cache.values(), plan.block_table, plan.seq_lens).to(q.dtype)
+        return attention_reference(q, self.layer(layer).values(), plan.block_table, plan.seq_lens).to(q.dtype)
 
 
 def build_schedule(kind: str, seq_lens, num_kv_heads: int, policy: SplitPolicy, row_local: bool = True) -> Schedule:
@@ -65,9 +66,9 @@ class TaskListEngine(Engine):
         return TablePlan(step, f"{self.name}/s{self.policy.splits}", counters.launches, counters,
                          self.cache.block_table[ids], torch.as_tensor(step.seq_lens), schedule)
 
-    def run(self, q: torch.Tensor, plan: TablePlan) -> torch.Tensor:
+    def run(self, q: torch.Tensor, plan: TablePlan, layer: PagedCache | None = None) -> torch.Tensor:
         self.check_query(q, plan)
-        return run_schedule(q, self.cache.values(), plan.block_table, plan.seq_lens, plan.schedule).to(q.dtype)
+        return run_schedule(q, self.layer(layer).values(), plan.block_table, plan.seq_lens, plan.schedule).to(q.dtype)
 
 
 def build(name, info, cache, policy=None, **options):

@@ -52,9 +52,6 @@ class FlashInferEngine(Engine):
         if cache.scales is not None and cache.scales.policy != "tensor":
             raise ValueError(f"{name}: FlashInfer reads an FP8 cache with tensor scales only, "
                              f"not the {cache.scales.policy!r} policy")
-        # FP8: one K and one V scale per tensor, FlashInfer's convention.
-        self._scales = {} if cache.scales is None else {"k_scale": cache.scales.k_scale,
-                                                         "v_scale": cache.scales.v_scale}
         try:
             import flashinfer
         except ImportError as e:
@@ -91,9 +88,12 @@ class FlashInferEngine(Engine):
         plan(self.wrapper, self.cache.shape, indptr, indices, last, seq_lens=lens, qo_indptr=qo)
         return Plan(step, self.name, 1, None)
 
-    def run(self, q: torch.Tensor, plan: Plan) -> torch.Tensor:
+    def run(self, q: torch.Tensor, plan: Plan, layer: PagedCache | None = None) -> torch.Tensor:
         self.check_query(q, plan)
-        out = self.wrapper.run(q, self.cache.kv, **self._scales)
+        c = self.layer(layer)
+        # FP8: one K and one V scale per tensor, FlashInfer's convention.
+        scales = {} if c.scales is None else {"k_scale": c.scales.k_scale, "v_scale": c.scales.v_scale}
+        out = self.wrapper.run(q, c.kv, **scales)
         return out[0] if isinstance(out, tuple) else out
 
 

@@ -79,9 +79,6 @@ class GraphEngine(Engine):
         self.gpu = cache.kv.is_cuda
         if self.gpu:
             check_graph_shape(s, cache.scales)
-        sc = cache.scales  # FP8: the kernel's scale arguments, fixed for the engine's life
-        self._scale_args = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale,
-                                                    "v_scale": sc.v_scale}
         self.max_rows = int(max_rows or min(GRAPH_MAX_ROWS, cache.assignment.num_requests))
         if not 1 <= self.max_rows <= GRAPH_MAX_ROWS:
             raise ValueError(f"pkv-graph holds 1..{GRAPH_MAX_ROWS} rows a step, got max_rows={self.max_rows}")
@@ -125,21 +122,23 @@ class GraphEngine(Engine):
         self._staging.upload([step.seq_lens, pad, step.request_ids, pad], out=self.meta)
         return GraphPlan(step, self.name, 1, rows, self._counter_args)
 
-    def run(self, q: torch.Tensor, plan: GraphPlan) -> torch.Tensor:
+    def run(self, q: torch.Tensor, plan: GraphPlan, layer: PagedCache | None = None) -> torch.Tensor:
         if q.shape[0] != plan.rows:
             raise ValueError(f"pkv-graph: q has {q.shape[0]} rows, the plan {plan.rows}")
+        c = self.layer(layer)
         out = torch.empty_like(q)
         if self.gpu:
-            r = plan.rows
-            self.ops.graph_decode(q, self.cache.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
-                                  self.partial, self.counters, self.num_ctas, self.min_tiles, **self._scale_args,
+            r, sc = plan.rows, c.scales     # FP8: the layer's scales, read per call
+            scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale, "v_scale": sc.v_scale}
+            self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
+                                  self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
                                   merge=self.merge)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))
         table = self.cache.block_table[torch.as_tensor(plan.step.request_ids)]
         schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles)
-        out[:b] = run_schedule(q[:b], self.cache.values(), table, lens, schedule).to(q.dtype)
+        out[:b] = run_schedule(q[:b], c.values(), table, lens, schedule).to(q.dtype)
         return out
 
 

@@ -9,8 +9,9 @@ table and the step's lengths, as in a real model).
   each layer's `run(q, caches[i].kv)`.
 - `FlashInferGraphRunner`, `FlashInferEagerRunner` (pkv.engines.model_flashinfer):
   FlashInfer's CUDA-graph path (plan() every step, replay) and its eager wrapper.
-- `EngineRunner`: any engine of the table (pkv.engines.table), one per layer's cache,
-  prepared once per step (the plan holds the step's metadata, not the KV), layers eager.
+- `EngineRunner`: any engine of the table (pkv.engines.table), built on layer 0's cache and
+  prepared once per step; every layer runs that plan on its own cache
+  (`run(q, plan, caches[i])`), layers eager.
 - `ReferenceRunner`: the FP32 attention of each layer over its own cache (CPU baseline).
 """
 
@@ -168,19 +169,22 @@ class Runner:
 
 
 class EngineRunner(Runner):
-    """pkv.engines engines (prepare(step) -> plan, run(q, plan)), one per layer's cache, layers
-    eager on the B rows; one prepare() a step (layer 0's), its plan run by every layer's engine."""
+    """A pkv.engines engine (prepare(step) -> plan, run(q, plan, layer)) over layer 0's cache,
+    layers eager on the B rows: one prepare() a step (the route, the metadata upload), and its
+    plan run by every layer on that layer's own KV."""
 
-    def __init__(self, name: str, engines: list, model, caches, xs):
-        self.name, self.engines, self.plan = name, engines, None
+    def __init__(self, name: str, engine, model, caches, xs):
+        self.name, self.engine, self.plan = name, engine, None
         super().__init__(model, caches, xs)
 
     def prepare(self, step, bucket):
-        self.plan = self.engines[0].prepare(step)
+        self.plan = self.engine.prepare(step)
         self.route = self.plan.route
 
     def launch(self, step, bucket):
-        return self.model.forward(self.xs[bucket][:step.active], lambda i, q: self.engines[i].run(q, self.plan))
+        caches = self.caches
+        return self.model.forward(self.xs[bucket][:step.active],
+                                  lambda i, q: self.engine.run(q, self.plan, caches[i]))
 
 
 class ReferenceRunner(Runner):

@@ -222,9 +222,9 @@ class PkvEngine(Engine):
         return PkvPlan(step, f"{self.name}/s{self.policy.splits}", launches_total, counter_args, meta, args,
                        self._partial, self._counters, gather_rows)
 
-    def run(self, q: torch.Tensor, plan: PkvPlan) -> torch.Tensor:
+    def run(self, q: torch.Tensor, plan: PkvPlan, layer: PagedCache | None = None) -> torch.Tensor:
         self.check_query(q, plan)
-        s = self.cache.shape
+        s, kv = self.cache.shape, self.layer(layer).kv
         out = torch.empty_like(q)
         for k, a in enumerate(plan.args):
             if a.gather:
@@ -232,7 +232,7 @@ class PkvEngine(Engine):
                 o = torch.empty_like(q_in)
             else:
                 q_in, o = q, out
-            self.ops.decode(q_in, self.cache.kv, self.cache.block_table, plan.meta, o,
+            self.ops.decode(q_in, kv, self.cache.block_table, plan.meta, o,
                             plan.partial if a.mode != MODE_DIRECT else self._empty_f32(),
                             plan.counters_buf if a.mode == MODE_FUSED else self._empty_i32, **a.kernel)
             if a.mode == MODE_PARTIAL:

@@ -42,12 +42,12 @@ class SdpaRepackEngine(Engine):
         pages = [flat[int(offs[i]):int(offs[i + 1])] for i in range(len(used))]
         return RepackPlan(step, self.name, 2 * len(used), None, pages, [int(x) for x in step.seq_lens])
 
-    def run(self, q: torch.Tensor, plan: RepackPlan) -> torch.Tensor:
+    def run(self, q: torch.Tensor, plan: RepackPlan, layer: PagedCache | None = None) -> torch.Tensor:
         self.check_query(q, plan)
-        s = self.cache.shape
+        s, cache = self.cache.shape, self.layer(layer)
         out = torch.empty_like(q)
         for i, (pages, n) in enumerate(zip(plan.pages, plan.lens)):
-            kv = self.cache.kv.index_select(0, pages)  # [n_pages, 2, H, P, D]
+            kv = cache.kv.index_select(0, pages)  # [n_pages, 2, H, P, D]
             kv = kv.permute(1, 2, 0, 3, 4).reshape(2, s.num_kv_heads, -1, s.head_dim)[:, :, :n]
             o = torch.nn.functional.scaled_dot_product_attention(
                 q[i, :, None, :][None], kv[0][None], kv[1][None], scale=1.0 / math.sqrt(s.head_dim), enable_gqa=True)

@@ -64,8 +64,8 @@ def build_runners(names: list[str], model, caches: list[PagedCache], xs, buckets
         elif name == "adaptive":
             if constants is None:
                 raise ValueError("engine adaptive needs the frozen constants (--constants)")
-            engines = [make_engine("adaptive", c, constants=constants, point=point) for c in caches]
-            runners[name] = EngineRunner(name, engines, model, caches, xs)
+            engine = make_engine("adaptive", caches[0], constants=constants, point=point)
+            runners[name] = EngineRunner(name, engine, model, caches, xs)
         elif name == "reference":
             runners[name] = ReferenceRunner(model, caches, xs)
         else:
