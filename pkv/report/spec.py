@@ -101,7 +101,7 @@ TABLE_SPECS = {
                             "N decoder layers, one CUDA graph per batch bucket; pkv-graph (no host plan) against "
                             "FlashInfer's CUDA-graph path (plan() on the host each step), FlashInfer eager and the "
                             "adaptive route; serial wall, device time and pipelined throughput per step.",
-                            ("model_step",), (), render="model_step_md"),
+                            ("model_step",), (), render="model_step_md", in_all=False),
 }
 
 FIGURE_SPECS = {
@@ -123,7 +123,7 @@ FIGURE_SPECS = {
     "router_accuracy": FigureSpec("Router accuracy: the cost model's estimate against the measured time per route, "
                                   "one panel per route.", ("serve", "calibration"), render="router_accuracy_png"),
     "model_step": FigureSpec("Model-level decode step time over context length, per engine, one panel per model "
-                             "shape.", ("model_step",), render="model_step_png"),
+                             "shape.", ("model_step",), render="model_step_png", in_all=False),
 }
 
 # Stages measured once per held-out seed: a table over them flags any seed that is missing.
