@@ -1,7 +1,9 @@
 """Pipeline commands the Snakemake rules call: `pkv freeze-config`, `pkv calibrate`,
 `pkv measure STAGE`, `pkv nsight`, `pkv report`, `pkv compare`. Each measuring command
 reads the frozen config.json (checked) and constants.json (refused when frozen for another
-config) and writes one Parquet file atomically, provenance included. Each command imports
+config) and writes one Parquet file per job atomically, provenance included; a stage with a
+`many` flag (pkv.config.stages) measures several jobs in one process (`--seed S1 S2 --out
+F1 F2`), every job's flags checked before the first is measured. Each command imports
 only what it uses: the report and the comparison never import torch.
 """
 
@@ -35,14 +37,17 @@ def add_commands(sub) -> None:
     cal.add_argument("--raw", required=True, help="Parquet file for the calibration sweep's rows")
     cal.set_defaults(func=calibrate_cmd)
 
-    meas = sub.add_parser("measure", help="run one measurement job of a pipeline stage")
+    meas = sub.add_parser("measure", help="run measurement jobs of a pipeline stage")
     msub = meas.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for stage in STAGES.values():   # the one table of stages
         p = msub.add_parser(stage.command, help=stage.help)
-        _common(p)
+        _common(p, many=bool(stage.many))
         for flag, kind in stage.flags:
+            several = flag == stage.many
             p.add_argument("--" + flag.replace("_", "-"), type=FLAG_TYPES[kind], required=True,
-                           help=FLAG_HELP.get(flag))
+                           nargs="+" if several else None,
+                           help=f"{FLAG_HELP.get(flag, flag.replace('_', ' '))}; several: one job each, one --out each"
+                           if several else FLAG_HELP.get(flag))
     meas.set_defaults(func=measure_cmd)
 
     ns = sub.add_parser("nsight", help="capture the short B8 trace under Nsight Compute (ncu) to CSV")
@@ -63,11 +68,14 @@ def add_commands(sub) -> None:
     cmp.set_defaults(func=compare_cmd)
 
 
-def _common(p: argparse.ArgumentParser, constants: bool = True) -> None:
+def _common(p: argparse.ArgumentParser, constants: bool = True, many: bool = False) -> None:
     p.add_argument("--config", required=True, help="the frozen config.json of this run")
     if constants:
         p.add_argument("--constants", required=True, help="results/calibration/constants.json")
-    p.add_argument("--out", required=True, help="the file this job writes (atomically)")
+    if many:
+        p.add_argument("--out", required=True, nargs="+", help="the file each job writes (atomically), in order")
+    else:
+        p.add_argument("--out", required=True, help="the file this job writes (atomically)")
 
 
 # Checked types (pkv.cli.args) and help of the stage table's flag kinds (pkv.config.stages).
@@ -142,19 +150,41 @@ def check_device(cfg: dict) -> None:
                               f"(CUDA build: {torch.version.cuda or 'none'}); run the smoke profile on this machine")
 
 
+def jobs_of(args) -> list[argparse.Namespace]:
+    """One namespace per job the command names: a `many` flag's values paired with the --out
+    files in order (refused unless one each, none repeated)."""
+    _, row = by_command(args.stage)
+    if not row.many:
+        return [args]
+    flag = "--" + row.many.replace("_", "-")
+    values, outs = getattr(args, row.many), args.out
+    if len(values) != len(outs):
+        raise ConfigError(f"measure {args.stage}: {len(values)} {flag} value(s) and {len(outs)} --out file(s); "
+                          f"give one --out per {flag} value, in the same order")
+    for name, items in ((flag, values), ("--out", [str(Path(o).resolve()) for o in outs])):
+        repeated = sorted({str(v) for v in items if items.count(v) > 1})
+        if repeated:
+            raise ConfigError(f"measure {args.stage}: {name} names {', '.join(repeated)} more than once")
+    return [argparse.Namespace(**{**vars(args), row.many: v, "out": o}) for v, o in zip(values, outs)]
+
+
 def measure_cmd(args) -> int:
     cfg = load_config(args.config)
     check_constants(cfg, args.constants)
-    check_args(cfg, args)
+    jobs = jobs_of(args)
+    for job in jobs:        # every job's flags before any is measured
+        check_args(cfg, job)
     _announce(cfg)
     from pkv.plan.costmodel import Constants
 
     k = Constants.load(args.constants)
     _, row = by_command(args.stage)
     run = getattr(importlib.import_module(row.module), row.run)
-    kwargs = {f: (Path(getattr(args, f)) if kind == "path" else getattr(args, f)) for f, kind in row.flags}
-    frame, meta = run(cfg, k, **dict(row.fixed), **kwargs)
-    write_parquet(frame, args.out, _meta(args, cfg, {"stage": frame["stage"].iloc[0], **meta}))
+    for job in jobs:
+        kwargs = {f: (Path(getattr(job, f)) if kind == "path" else getattr(job, f)) for f, kind in row.flags}
+        frame, meta = run(cfg, k, **dict(row.fixed), **kwargs)
+        write_parquet(frame, job.out, _meta(job, cfg, {"stage": frame["stage"].iloc[0], **meta}))
+        print(f"wrote {job.out}", file=sys.stderr)
     return 0
 
 

@@ -24,45 +24,47 @@ rule sweep_split_sensitivity:
 
 
 rule sweep_b4:
-    """The PersistentKV workqueue forced over a split grid on the B4 boundary, one held-out seed."""
+    """The PersistentKV workqueue forced over a split grid on the B4 boundary, every held-out seed in one process."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/b4_sweep/s{seed}.parquet"),
-    wildcard_constraints:
-        seed="|".join(HELDOUT),
+        parquet=expand(out("raw/b4_sweep/s{seed}.parquet"), seed=HELDOUT),
+    params:
+        seeds=HELDOUT,
     log:
-        out("logs/b4_sweep/s{seed}.log"),
+        out("logs/b4_sweep/b4_sweep.log"),
     benchmark:
-        out("benchmarks/b4_sweep/s{seed}.tsv")
+        out("benchmarks/b4_sweep/b4_sweep.tsv")
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli measure b4-sweep --config {input.config:q} --constants {input.constants:q} "
-        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"
+        "--seed {params.seeds:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule sweep_gqa:
-    """Table 8: the serving trace at one GQA group size G."""
+    """Table 8: the serving trace at every GQA group size G of the config, in one process."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/gqa_sweep/g{group}.parquet"),
+        parquet=expand(out("raw/gqa_sweep/g{group}.parquet"), group=GQA_GROUPS),
+    params:
+        groups=GQA_GROUPS,
     log:
-        out("logs/gqa_sweep/g{group}.log"),
+        out("logs/gqa_sweep/gqa_sweep.log"),
     benchmark:
-        out("benchmarks/gqa_sweep/g{group}.tsv")
+        out("benchmarks/gqa_sweep/gqa_sweep.tsv")
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli measure gqa-sweep --config {input.config:q} --constants {input.constants:q} "
-        "--group {wildcards.group:q} --out {output.parquet:q} > {log:q} 2>&1"
+        "--group {params.groups:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule ablate_raggedness:

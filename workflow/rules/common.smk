@@ -37,6 +37,9 @@ ROOT = run_root(PROFILE, config["run"], GPU)
 # (a fresh clone's are checkout times), and never re-made from a different config.
 REFERENCE = ROOT == REFERENCE_ROOT
 HELDOUT = [str(s) for s in C["seeds"]["heldout"]]
+# The values a stage's one process runs through (pkv.config.stages: `many`).
+GQA_GROUPS = [str(g) for g in C["ablations"]["gqa_sweep"]["groups"]]
+ISOLATED_CONTEXTS = [str(c) for c in C["isolated"]["contexts"]]
 ABLATION_SEED = str(C["seeds"]["ablation"])
 
 # A folder's frozen config.json must be what this config resolves to (never a hand-edited
@@ -88,7 +91,7 @@ def inputs(paths):
 
 def model_step_outputs():
     """The model step's Parquet files (workflow/rules/model.smk): one per held-out seed, one for the external trace."""
-    return expand(rules.model_step.output.parquet, seed=HELDOUT) + [rules.model_step_external.output.parquet]
+    return [*rules.model_step.output.parquet, rules.model_step_external.output.parquet]
 
 
 # The stages measured outside the job grid of pkv.config.jobs: their rules' outputs.

@@ -39,22 +39,22 @@ rule bench_fp8_accuracy:
 
 
 rule measure_kv_fp8:
-    """FP8 KV serving ablation: one held-out trace from a 16-bit and an e4m3 cache."""
+    """FP8 KV serving ablation: each held-out trace from a 16-bit and an e4m3 cache, every seed in one process."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/kv_fp8/s{seed}.parquet"),
-    wildcard_constraints:
-        seed="|".join(HELDOUT),
+        parquet=expand(out("raw/kv_fp8/s{seed}.parquet"), seed=HELDOUT),
+    params:
+        seeds=HELDOUT,
     log:
-        out("logs/kv_fp8/s{seed}.log"),
+        out("logs/kv_fp8/kv_fp8.log"),
     benchmark:
-        out("benchmarks/kv_fp8/s{seed}.tsv")
+        out("benchmarks/kv_fp8/kv_fp8.tsv")
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli measure kv-fp8 --config {input.config:q} --constants {input.constants:q} "
-        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"
+        "--seed {params.seeds:q} --out {output.parquet:q} > {log:q} 2>&1"

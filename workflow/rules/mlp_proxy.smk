@@ -2,22 +2,22 @@
 
 
 rule measure_mlp_proxy:
-    """Table 3: attention plus a gated MLP tail at 1 and 32 layers, one held-out seed."""
+    """Table 3: attention plus a gated MLP tail at 1 and 32 layers, every held-out seed in one process."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/mlp_proxy/s{seed}.parquet"),
-    wildcard_constraints:
-        seed="|".join(HELDOUT),
+        parquet=expand(out("raw/mlp_proxy/s{seed}.parquet"), seed=HELDOUT),
+    params:
+        seeds=HELDOUT,
     log:
-        out("logs/mlp_proxy/s{seed}.log"),
+        out("logs/mlp_proxy/mlp_proxy.log"),
     benchmark:
-        out("benchmarks/mlp_proxy/s{seed}.tsv")
+        out("benchmarks/mlp_proxy/mlp_proxy.tsv")
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli measure mlp-proxy --config {input.config:q} --constants {input.constants:q} "
-        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"
+        "--seed {params.seeds:q} --out {output.parquet:q} > {log:q} 2>&1"

@@ -14,25 +14,25 @@ MODEL_STEP_EXTERNAL = STAGES["model_step_external"].file.format(name=external_id
 
 
 rule model_step:
-    """Model-level decode step (pkv measure model-step): per-layer KV, one CUDA graph per bucket, one held-out seed."""
+    """Model-level decode step (pkv measure model-step): per-layer KV, one CUDA graph per bucket, every held-out seed in one process."""
     input:
         config=rules.freeze_config.output.config,
         constants=rules.calibrate_device.output.constants,
     output:
-        parquet=out(f"{MODEL_STEP_RAW}/{STAGES['model_step'].file}"),
-    wildcard_constraints:
-        seed="|".join(HELDOUT),
+        parquet=expand(out(f"{MODEL_STEP_RAW}/{STAGES['model_step'].file}"), seed=HELDOUT),
+    params:
+        seeds=HELDOUT,
     log:
-        out("logs/model_step/s{seed}.log"),
+        out("logs/model_step/model_step.log"),
     benchmark:
-        out("benchmarks/model_step/s{seed}.tsv")
+        out("benchmarks/model_step/model_step.tsv")
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli measure model-step --config {input.config:q} --constants {input.constants:q} "
-        "--seed {wildcards.seed:q} --out {output.parquet:q} > {log:q} 2>&1"
+        "--seed {params.seeds:q} --out {output.parquet:q} > {log:q} 2>&1"
 
 
 rule model_step_external:
