@@ -25,6 +25,64 @@ from pkv.report.spec import FIGURE_SPECS  # noqa: E402
 TIMING_LABELS = {"wall": "wall (synchronized step)", "cuda": "CUDA events", "graph": "CUDA-graph replay"}
 
 
+# ---------------------------------------------------------------- plain log axes (no "2×10¹" labels)
+
+
+def plain_number(v: float, _pos=None) -> str:
+    """A tick label: 0.5, 2, 40, 1500 (never scientific notation)."""
+    return f"{v:.6f}".rstrip("0").rstrip(".") if v < 1e6 else f"{v:,.0f}"
+
+
+def tokens_label(v: float, _pos=None) -> str:
+    """A token-count tick label: 256, 1K, 4K, 1M."""
+    if v >= 2 ** 20:
+        return f"{v / 2 ** 20:.3g}M"
+    return f"{v / 1024:.3g}K" if v >= 1024 else f"{v:.3g}"
+
+
+def log10_ticks(lo: float, hi: float) -> list[float]:
+    """Ticks 1, 2, 5 x 10^k in [lo, hi] (finer where that gives fewer than three)."""
+    import math
+
+    ticks: list[float] = []
+    for subs in ((1,), (1, 2, 5), (1, 2, 3, 5, 7), (1, 1.5, 2, 3, 4, 5, 6, 7, 8)):
+        k = range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+        ticks = [float(f"{m * 10.0 ** e:.6g}") for e in k for m in subs if lo <= m * 10.0 ** e <= hi]
+        if len(ticks) >= 3:
+            break
+    return ticks if len(ticks) >= 2 else _linear_ticks(lo, hi)
+
+
+def _linear_ticks(lo: float, hi: float) -> list[float]:
+    """A narrow range's ticks (under two of the log ticks fall in it): plain steps."""
+    return [float(f"{t:.6g}") for t in MaxNLocator(4).tick_values(lo, hi) if lo <= t <= hi]
+
+
+def log2_ticks(lo: float, hi: float, most: int = 6) -> list[float]:
+    """Powers of two in [lo, hi], every 2nd (1K, 4K, 16K, ...) or sparser, at most `most`."""
+    import math
+
+    exps = list(range(math.ceil(math.log2(lo)), math.floor(math.log2(hi)) + 1)) or [round(math.log2(lo))]
+    stride = 1
+    while len([e for e in exps if e % stride == 0]) > most:
+        stride *= 2
+    ticks = [2.0 ** e for e in exps if e % stride == 0 and lo <= 2.0 ** e <= hi]
+    return ticks if len(ticks) >= 2 else _linear_ticks(lo, hi)
+
+
+def plain_log_axis(axis, lo: float, hi: float, base: int = 10) -> None:
+    """Log scale on `axis` (ax.xaxis / ax.yaxis) over [lo, hi], major ticks with plain labels
+    (tokens_label on base 2), no minor ticks."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    ax = axis.axes
+    (ax.set_xscale if axis is ax.xaxis else ax.set_yscale)("log", base=base)
+    (ax.set_xlim if axis is ax.xaxis else ax.set_ylim)(lo, hi)
+    axis.set_major_locator(FixedLocator(log2_ticks(lo, hi) if base == 2 else log10_ticks(lo, hi)))
+    axis.set_major_formatter(FuncFormatter(tokens_label if base == 2 else plain_number))
+    axis.set_minor_locator(NullLocator())
+
+
 def _baseline_name(frame: pd.DataFrame) -> str:
     base = rep.baselines(frame)
     return "FP32 reference (FlashInfer stand-in)" if base == ["reference"] else "faster FlashInfer variant"

@@ -23,6 +23,7 @@ import io
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 from tabulate import tabulate
@@ -200,54 +201,80 @@ def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
     return f"# {TITLE}\n\n{banner}{caption}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
 
 
+ENGINE_LABEL = {"pkv-graph": "pkv-graph (no host plan)", "flashinfer-graph": "FlashInfer graph path (plan() + replay)",
+                "flashinfer-eager": "FlashInfer eager", "adaptive": "adaptive route", "reference": "FP32 reference (CPU)"}
+MARKERS = "osD^vP"
+
+
+def step_medians(frame: pd.DataFrame) -> pd.DataFrame:
+    """The figure's points: per (model, KV dtype, bucket, engine) and octave of the step's KV
+    tokens, the median serial wall ms and the median KV tokens of the steps in it."""
+    steps = frame[frame["kind"] == "step"].copy()
+    steps["kv_dtype"] = steps["kv_dtype"].fillna("auto") if "kv_dtype" in steps else "auto"
+    steps["octave"] = np.round(np.log2(steps["total_tokens"].clip(lower=1).astype(float)))
+    steps["wall_ms"] = steps["wall_s"] * 1e3
+    g = steps.groupby(["model", "kv_dtype", "bucket", "engine", "octave"], sort=True, observed=True)
+    return g.agg(tokens=("total_tokens", "median"), wall_ms=("wall_ms", "median"), steps=("wall_ms", "size"),
+                 layers=("layers", "first"), hidden=("hidden", "first")).reset_index()
+
+
 def plot_model_step(frame: pd.DataFrame, smoke: bool) -> bytes:
-    """Serial wall and device time per step over the step's KV tokens, per engine; one column per model."""
+    """Median serial wall ms per step over the step's KV tokens: one panel per (model shape,
+    KV dtype) row and batch bucket column, one line per engine, the legend below the panels."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.ticker import NullFormatter
 
-    steps = frame[frame["kind"] == "step"]
-    models = sorted(steps["model"].unique())
-    engines = sorted(steps["engine"].unique(), key=_engine_rank)
-    colors = {e: plt.get_cmap("tab10")(i) for i, e in enumerate(ENGINE_ORDER)}
-    markers = dict(zip(sorted(steps["bucket"].unique()), "os^Dv<>"))
-    fig, axes = plt.subplots(2, len(models), figsize=(5.2 * len(models), 7), squeeze=False, sharex="col")
-    for c, model in enumerate(models):
-        m = steps[steps["model"] == model]
-        for r, (col, label) in enumerate((("wall_s", "serial wall ms / step"), ("device_s", "device ms / step"))):
+    from pkv.report.figures import plain_log_axis
+
+    pts = step_medians(frame)
+    rows = sorted({(int(h), m, kv) for h, m, kv in zip(pts["hidden"], pts["model"], pts["kv_dtype"])},
+                  key=lambda r: (r[0], r[1], r[2] != "auto", r[2]))
+    buckets = sorted(int(b) for b in pts["bucket"].unique())
+    engines = sorted(pts["engine"].unique(), key=_engine_rank)
+    style = {e: (plt.get_cmap("tab10")(min(_engine_rank(e), 9)), MARKERS[min(_engine_rank(e), len(MARKERS) - 1)])
+             for e in engines}
+    fig, axes = plt.subplots(len(rows), len(buckets), figsize=(1.2 + 3.5 * len(buckets), 1.4 + 2.6 * len(rows)),
+                             squeeze=False, sharex="col", sharey="row", layout="constrained")
+    for r, (_, model, kv) in enumerate(rows):
+        row = pts[(pts["model"] == model) & (pts["kv_dtype"] == kv)]
+        finite = row["wall_ms"].dropna()
+        for c, bucket in enumerate(buckets):
             ax = axes[r][c]
-            # FP8 rows (per-layer KV files): hollow markers, the engine's colour.
-            kvs = sorted(m["kv_dtype"].unique()) if "kv_dtype" in m else [None]
+            cell = row[row["bucket"] == bucket]
             for engine in engines:
-                for kv in kvs:
-                    e = m[(m["engine"] == engine) & ((m["kv_dtype"] == kv) if kv else True)]
-                    for b, mk in markers.items():
-                        eb = e[e["bucket"] == b].sort_values("total_tokens")
-                        if eb.empty or eb[col].isna().all():
-                            continue
-                        color = colors.get(engine, "gray")
-                        tag = f" {kv}" if kv == "fp8" else ""
-                        ax.scatter(eb["total_tokens"], eb[col] * 1e3, s=14, marker=mk, alpha=0.7,
-                                   color=color, facecolors="none" if tag else color,
-                                   label=f"{engine}{tag}, B{b}" if c == 0 else None)
-            if m[col].isna().all():
-                ax.text(0.5, 0.5, "not measured (no CUDA)", ha="center", va="center", transform=ax.transAxes)
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.xaxis.set_minor_formatter(NullFormatter())
-            ax.set_ylabel(label)
+                e = cell[cell["engine"] == engine].dropna(subset=["wall_ms"]).sort_values("tokens")
+                if not e.empty:
+                    color, marker = style[engine]
+                    ax.plot(e["tokens"], e["wall_ms"], marker=marker, markersize=4, linewidth=1.4, color=color,
+                            label=ENGINE_LABEL.get(engine, engine))
+            if cell["wall_ms"].isna().all():
+                ax.text(0.5, 0.5, "no steps in this bucket", ha="center", va="center", transform=ax.transAxes,
+                        fontsize=8, color="gray")
+            ax.grid(True, which="major", alpha=0.3)
             if r == 0:
-                ax.set_title(f"{model} ({int(m['layers'].iloc[0])} layers)")
-            else:
-                ax.set_xlabel("KV tokens read per layer in the step (sum of context lengths)")
-            ax.grid(True, which="both", alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
+                ax.set_title(f"bucket B{bucket}", fontsize=10)
+            if c == 0:
+                layers = int(row["layers"].iloc[0])
+                ax.set_ylabel(f"{model}, {layers} layers\n{KV_LABEL.get(kv, kv)} KV\nserial wall ms / step",
+                              fontsize=9)
+            if r == len(rows) - 1:
+                ax.set_xlabel("KV tokens per layer in the step", fontsize=9)
+        if not finite.empty:
+            plain_log_axis(axes[r][0].yaxis, finite.min() / 1.15, finite.max() * 1.15)
+    for c, bucket in enumerate(buckets):
+        col = pts.loc[pts["bucket"] == bucket, "tokens"].dropna()
+        if not col.empty:
+            plain_log_axis(axes[0][c].xaxis, col.min() / 1.3, col.max() * 1.3, base=2)
+    handles = {}
+    for ax in axes.ravel():
+        handles.update(zip(*reversed(ax.get_legend_handles_labels())))
     if handles:
-        fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8)
-    fig.suptitle("Model step time over context, per engine" + (f"\n{SMOKE_BANNER}" if smoke else ""), fontsize=11)
-    fig.tight_layout(rect=(0, 0.08 + 0.02 * ((len(labels) - 1) // 4), 1, 1))
+        fig.legend(list(handles.values()), list(handles), loc="outside lower center", ncols=min(len(handles), 4),
+                   fontsize=8, frameon=False)
+    fig.suptitle("Model step: serial wall time per step over the KV it reads (median per octave of tokens)"
+                 + (f"\n{SMOKE_BANNER}" if smoke else ""), fontsize=11)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
     plt.close(fig)
