@@ -115,3 +115,9 @@ def model_step_png(root: Path) -> bytes:
 
     frame, metas = model.load(root)
     return model.plot_model_step(frame, any(m.get("profile") == "smoke" for m in metas))
+
+
+def claims_md(root: Path) -> bytes:
+    from pkv.report import claims
+
+    return claims.markdown(root).encode()

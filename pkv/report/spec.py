@@ -102,6 +102,12 @@ TABLE_SPECS = {
                             "FlashInfer's CUDA-graph path (plan() on the host each step), FlashInfer eager and the "
                             "adaptive route; serial wall, device time and pipelined throughput per step.",
                             ("model_step",), (), render="model_step_md", in_all=False),
+    "claims": TableSpec("Paper claims against this run",
+                        "Each claim of the paper (RTX 3060) as quoted, this run's number from the same rows as the "
+                        "table that shows it, and a verdict computed by the rule below.",
+                        ("serve", "isolated", "mlp_proxy", "split_sensitivity", "b4_sweep", "gqa_sweep", "external",
+                         "raggedness", "implementation", "nsight_kernels"), (), render="claims_md",
+                        profiles=("paper",)),
 }
 
 FIGURE_SPECS = {
