@@ -362,9 +362,10 @@ def test_a_path_with_spaces_and_command_substitution_is_one_argument(tree):
     external = [s for s in shells if " measure external " in s]
     assert external and shlex.split(external[0])[shlex.split(external[0]).index("--trace") + 1] == str(odd)
     # And run for real: calibration, then the external job reads the file, and nothing is injected.
-    done = smk(tree, "results/smoke/raw/external/azure2023.parquet", "--configfile", "config.yaml", "odd.yaml")
+    # Unnamed, the trace is named after its file (pkv.config.stages.external_identity).
+    done = smk(tree, "results/smoke/raw/external/a-b-touch-INJECTED.parquet", "--configfile", "config.yaml", "odd.yaml")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert (tree / "results" / "smoke" / "raw" / "external" / "azure2023.parquet").is_file()
+    assert (tree / "results" / "smoke" / "raw" / "external" / "a-b-touch-INJECTED.parquet").is_file()
     assert not list(tree.rglob("INJECTED"))
 
 

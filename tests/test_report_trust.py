@@ -149,3 +149,19 @@ def test_compare_puts_ratios_side_by_side(tmp_path):
     assert cells["Wall tok/s ratio (reference)"].startswith("2.000±")
     assert cells["Wall tok/s ratio (this run)"].startswith("1.000±")
     assert "## Table 1" in text and "Not measured in reference and this run." in text
+
+
+def test_compare_never_pairs_two_different_external_traces(tmp_path):
+    """A run replaying its own request file is compared by name, not row by row with the reference's."""
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    from pkv.config.resolve import config_hash
+
+    for root, external in ((ref, {}), (run, {"path": "/data/code.jsonl", "title": "Code completions"})):
+        _config(root, SEEDS[:1])
+        cfg = json.loads((root / "config.json").read_text())
+        cfg["external"].update(external)
+        (root / "config.json").write_text(json.dumps(cfg))
+        _serve(root, SEEDS[0], config_hash=config_hash(cfg), profile="smoke")
+    text = compare(run, ref)
+    assert "## Code completions\n" in text
+    assert "Not compared: this run replays the external trace 'code', the reference run 'azure2023'." in text

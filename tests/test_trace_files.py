@@ -228,6 +228,18 @@ def test_a_named_trace_has_its_own_file_and_title():
     assert Config.from_dict(titled).external.title == "Mooncake conversation trace (sample)"
 
 
+def test_an_unnamed_trace_is_named_after_its_file_not_azure():
+    assert external_identity({"path": "data/azure2023/AzureLLMInferenceTrace_conv.csv"}) == (EXTERNAL_NAME,
+                                                                                               EXTERNAL_TITLE)
+    assert external_identity({"path": "/tmp/my traces/Code Trace (v2).jsonl"}) == (
+        "Code-Trace-v2", "External request trace (Code-Trace-v2)")
+    assert external_identity({"path": "$$$.csv"})[0] == "external"
+    cfg = smoke(path="/tmp/burst.csv")
+    assert list(stage_files(cfg, "external")) == ["burst.parquet"]
+    validate_config({**cfg, "external": {**cfg["external"], "name": external_identity(cfg["external"])[0]}},
+                    load_schema(), "config")   # a slug is a name the schema takes
+
+
 @pytest.mark.parametrize("external, field", [
     ({"name": "../up"}, "name"), ({"name": "a b"}, "name"), ({"name": ""}, "name"),
     ({"title": "two\nlines"}, "title"), ({"columns": {"prompt": "a"}}, "columns"),

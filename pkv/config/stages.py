@@ -13,7 +13,9 @@ Imports nothing heavy (the Snakefile reads it at parse time).
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from pathlib import PurePath
 
 # Flag kinds (pkv.cli.args gives each its checked type): seed, positive (an integer >= 1),
 # text, path.
@@ -73,16 +75,23 @@ STAGES: dict[str, Stage] = {
 }
 
 
-# The external trace's name and title where the config gives none: the committed
+# The external trace's name and title where the config gives none, for the committed
 # reference run's Azure trace, so its config (and hash) and its file names stay as they were.
 EXTERNAL_NAME = "azure2023"
 EXTERNAL_TITLE = "External request trace (Azure LLM inference 2023, conversation)"
+EXTERNAL_FILE = "AzureLLMInferenceTrace_conv.csv"
 
 
 def external_identity(section: dict) -> tuple[str, str]:
     """(name, title) of the config's external trace: its name is the slug of its files
-    (raw/external/NAME.parquet), its title the external table's."""
-    name = section.get("name") or EXTERNAL_NAME
+    (raw/external/NAME.parquet), its title the external table's. Without a name: the
+    Azure trace's for the Azure file, else the request file's stem as a slug (so
+    `--config 'external={path: my.csv}'` writes my.parquet, titled by its own name)."""
+    name = section.get("name")
+    if not name:
+        path = PurePath(section.get("path") or EXTERNAL_FILE)
+        name = EXTERNAL_NAME if path.name == EXTERNAL_FILE else \
+            re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-._")[:64] or "external"
     title = section.get("title") or (EXTERNAL_TITLE if name == EXTERNAL_NAME else f"External request trace ({name})")
     return name, title
 

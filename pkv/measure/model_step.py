@@ -247,7 +247,8 @@ def model_step_external(cfg: Config | dict, k, trace: Path):
     """`pkv measure model-step-external --trace T`: the configured request file."""
     cfg = Config.of(cfg)
     t = external_trace(cfg, trace)
-    name, title = external_identity({"name": cfg.external.name, "title": cfg.external.title})
+    c = cfg.external
+    name, title = external_identity({"name": c.name, "title": c.title, "path": c.path})
     frame, meta = _stage(cfg, k, [TraceJob(f"{name}-{t.name}", "external", cfg.seeds.ablation, t)],
                          f"pkv measure model-step-external --trace {Path(trace).name}")
     return frame, {**meta, "trace_name": name, "trace_title": title}

@@ -25,7 +25,7 @@ from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.stages import external_identity
 from pkv.config.typed import Config, KvFp8
-from pkv.core.paging import assign_pages
+from pkv.core.paging import PageAssignment, assign_pages
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
 from pkv.core.trace_files import columns, load_trace
@@ -84,6 +84,38 @@ def steps_of(trace: Trace, max_active: int, max_steps: int) -> list[StepState]:
     return list(decode_steps(trace, max_active, max_steps))
 
 
+def measured_pages(assignment: PageAssignment, steps) -> PageAssignment:
+    """`assignment` over only the pages `steps` read (each request's first ceil(len / page)
+    pages at its longest measured length), renumbered 0..n-1 in their physical order (the
+    scatter kept); a page no step reads maps to page 0. pkv.measure.model_plan.compact
+    does the same (that module imports this one, so it cannot be imported here;
+    tests/test_mlp_proxy.py checks the two agree)."""
+    ps = assignment.page_size
+    need = np.zeros(assignment.num_requests, dtype=np.int64)
+    for st in steps:
+        np.maximum.at(need, st.request_ids, -(-np.asarray(st.seq_lens, dtype=np.int64) // ps))
+    used = np.unique(np.concatenate([assignment.request_pages(r)[:n] for r, n in enumerate(need) if n]
+                                    or [np.zeros(1, np.int32)]))
+    remap = np.zeros(assignment.num_pages, dtype=np.int32)
+    remap[used] = np.arange(len(used), dtype=np.int32)
+    return PageAssignment(ps, len(used), assignment.page_offsets, remap[assignment.pages], assignment.reserved_len)
+
+
+def build_layer_caches(cfg: Config | dict, trace: Trace, shape: Shape, holes: float, seed: int, steps, layers: int,
+                       fp8_policy: str = "tensor") -> list[PagedCache]:
+    """`layers` KV caches over ONE page table (the trace's, over the pages `steps` read), each
+    with its own random values (layer i from seed (seed << 8) + i, as the model step's).
+
+    Memory: layers x pages x page_size x 2 (K, V) x H_kv x d x bytes. The paper's mlp_proxy
+    (bimodal B8, 32 requests, 64 measured steps, fp16, H_kv 8, d 128, page 16) holds
+    29k-34k pages (1.9-2.26 GB) per layer at full reservation, of which the measured steps
+    read 14.5k-22.7k over the five held-out seeds: 32 layers take 30-48 GB, not 61-72 GB,
+    within an H200's 141 GB with room. The stage records the bytes (metadata kv_memory)."""
+    assignment = measured_pages(assign_pages(trace.total_len, shape.page_size, holes, seed), steps)
+    device = device_of(Config.of(cfg))
+    return [PagedCache.random(shape, assignment, device, (seed << 8) + i, fp8_policy=fp8_policy) for i in range(layers)]
+
+
 def tolerance(cfg: Config | dict) -> Tolerance:
     t = Config.of(cfg).tolerance
     return Tolerance(t.max_abs, t.mean_abs)
@@ -96,14 +128,26 @@ def _meta(trace: Trace, **extra) -> dict:
 def _run(cfg: Config, job: Job, trace: Trace, shape: Shape, specs: list[str], k: Constants, point: str, *,
          split: int | None = None, holes: float | None = None, max_steps: int | None = None, repeats: int = 1,
          reference_every: int | None = None, tail=None, fp8_policy: str = "tensor",
-         graph: bool | None = None) -> pd.DataFrame:
+         graph: bool | None = None, memory: dict | None = None) -> pd.DataFrame:
+    """One job's rows. `job.layers` > 1: each layer its own KV cache over one page table
+    (build_layer_caches), the engines built on layer 0's; `memory` (if given) gets the
+    job's KV bytes under str(job.layers)."""
     m = cfg.measure
-    cache = build_cache(cfg, trace, shape, m.holes if holes is None else holes, job.seed, fp8_policy)
+    holes = m.holes if holes is None else holes
+    steps = steps_of(trace, job.max_active, max_steps or m.max_steps)
+    if job.layers > 1:
+        caches = build_layer_caches(cfg, trace, shape, holes, job.seed, steps, job.layers, fp8_policy)
+    else:
+        caches = [build_cache(cfg, trace, shape, holes, job.seed, fp8_policy)]
+    cache = caches[0]
+    if memory is not None:
+        memory[str(job.layers)] = {"layers": len(caches), "pages": cache.assignment.num_pages,
+                                   "kv_bytes": sum(c.kv.nbytes for c in caches)}
     engines = build_engines(specs, cache, k, point, split)
     tail_fn = tail(cache) if tail else None
-    steps = steps_of(trace, job.max_active, max_steps or m.max_steps)
     return measure(job, cache, steps, engines, cfg.baselines[0], tolerance(cfg),
-                   reference_every or m.reference_every, m.graph if graph is None else graph, repeats, tail_fn)
+                   reference_every or m.reference_every, m.graph if graph is None else graph, repeats, tail_fn,
+                   caches if job.layers > 1 else None)
 
 
 def _with_baselines(cfg: Config, specs) -> list[str]:
@@ -252,17 +296,22 @@ def gated_mlp(shape: Shape, width: int, seed: int):
 
 
 def mlp_proxy(cfg: Config | dict, k: Constants, seed: int) -> Result:
-    """Table 3: attention + gated MLP tail; `layers` > 1 shares one plan per step."""
+    """Table 3: attention + gated MLP tail, the section's engines (default adaptive) and the
+    baselines. `layers` > 1: each layer reads its own KV cache (same page table, its own
+    values, sized to the pages the measured steps read: build_layer_caches); one prepare()
+    a step serves every layer."""
     cfg = Config.of(cfg)
     c = cfg.mlp_proxy
     trace = synthetic_trace(cfg, c.family, seed)
     shape = _shape(cfg)
-    frames = []
+    specs = _with_baselines(cfg, c.specs)
+    frames, memory = [], {}
     for layers in c.layers:
         job = Job("mlp_proxy", trace.name, c.family, c.max_active, seed, shape.group, layers=layers)
-        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["adaptive"]), k,
-                           point_key(c.family, c.max_active), tail=gated_mlp(shape, c.width, seed)))
-    return pd.concat(frames, ignore_index=True), _meta(trace, mlp_width=c.width)
+        frames.append(_run(cfg, job, trace, shape, specs, k, point_key(c.family, c.max_active),
+                           tail=gated_mlp(shape, c.width, seed), memory=memory))
+    return pd.concat(frames, ignore_index=True), _meta(trace, mlp_width=c.width, engines=json.dumps(specs),
+                                                       kv_memory=json.dumps(memory, sort_keys=True))
 
 
 def external(cfg: Config | dict, k: Constants, trace: Path) -> Result:
@@ -277,7 +326,7 @@ def external(cfg: Config | dict, k: Constants, trace: Path) -> Result:
     op = c.operating_point
     frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(op.family, op.max_active))
     # The trace's identity travels with its file: the report titles the table from it.
-    name, title = external_identity({"name": c.name, "title": c.title})
+    name, title = external_identity({"name": c.name, "title": c.title, "path": c.path})
     return frame, _meta(trace, step_ms=c.step_ms, trace_name=name, trace_title=title,
                         trace_format=trace.meta["schema"])
 

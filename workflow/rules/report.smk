@@ -3,7 +3,15 @@
 # each marked for `snakemake --report` with its caption. For a paper run of your own, one
 # more table: the run beside the committed reference run (`pkv compare`).
 
+from pkv.config.stages import external_identity
+
 CAPTION = "../report/caption.rst"   # renders the rule's `caption` param
+
+
+def table_title(name, table):
+    """A table's title; the external trace's is the config's trace's (pkv.config.stages.external_identity)."""
+    return external_identity(C["external"])[1] if name == "external" else table.title
+
 
 for _name, _table in TABLE_SPECS.items():
 
@@ -16,7 +24,7 @@ for _name, _table in TABLE_SPECS.items():
         output:
             md=report(out(f"tables/{_name}.md"), caption=CAPTION, category="Tables", labels={"table": _name, "format": "Markdown"}),
         params:
-            caption=f"{_table.title}. {_table.caption}",
+            caption=f"{table_title(_name, _table)}. {_table.caption}",
         localrule: True
         conda:
             "../../envs/pkv.yaml"
@@ -36,7 +44,7 @@ for _name, _table in TABLE_SPECS.items():
             output:
                 tex=report(out(f"tables/{_name}.tex"), caption=CAPTION, category="Tables", labels={"table": _name, "format": "LaTeX"}),
             params:
-                caption=f"{_table.title} (LaTeX). {_table.caption}",
+                caption=f"{table_title(_name, _table)} (LaTeX). {_table.caption}",
             localrule: True
             conda:
                 "../../envs/pkv.yaml"
