@@ -119,22 +119,56 @@ def serving_ratios(frame: pd.DataFrame, smoke: bool) -> bytes:
     return buf.getvalue()
 
 
+def serving_engines(frame: pd.DataFrame) -> list[str]:
+    """The engines the serving-ratio figure plots: every router (pkv.report.ratios.routers,
+    the plain `adaptive` first), then pkv-graph where the run has it."""
+    present = set(frame["engine"])
+    return [*(rep.routers(frame) or ["adaptive"]), *[e for e in ("pkv-graph",) if e in present]]
+
+
+def _engine_label(engine: str) -> str:
+    """A panel's name: `adaptive route`, `adaptive route · objective=overlapped`, `pkv-graph`."""
+    return rep.router_label("adaptive route", engine) if engine.partition(":")[0] == "adaptive" else engine
+
+
 def serving_ratios_figure(frame: pd.DataFrame, smoke: bool):
-    """The laid-out (not yet saved) serving-ratio figure; tests check it for overlaps."""
-    long = _long_ratios(frame, ["family", "max_active", "seed"], "adaptive")
+    """The laid-out (not yet saved) serving-ratio figure; tests check it for overlaps. One
+    panel per engine of serving_engines (stacked, shared axes), bars per trace and timing."""
+    engines = serving_engines(frame)
     order = [rep.trace_label(f, b) for f, b in rep.trace_order(frame)]
-    long["trace"] = [rep.trace_label(f, b) for f, b in zip(long["family"], long["max_active"])]
+    parts = {e: _long_ratios(frame, ["family", "max_active", "seed"], e) for e in engines}
+    timings = [t for t in TIMING_LABELS.values() if any((p["timing"] == t).any() for p in parts.values())]
     # Two-line tick labels ("Homogeneous" over "B8") never overlap; the legend sits above
-    # the axes, clear of the bars.
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(order) + 1), 4.8))
-    sns.barplot(long, x="trace", y="ratio", hue="timing", order=order, errorbar="sd", capsize=0.15, ax=ax)
-    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
-    ax.set_xticks(range(len(order)), [label.replace(" ", "\n") for label in order])
-    ax.set_xlabel("trace family, max active requests")
-    ax.set_ylabel("decode-token throughput ratio (×)")
-    ax.legend(title="timing (error bars: std over seeds)", fontsize=8, title_fontsize=8, ncols=4,
-              loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    return _layout(fig, f"Adaptive route over the {_baseline_name(frame)}, held-out seeds", smoke)
+    # the top panel, clear of the bars; each panel's y label names its engine.
+    fig, axes = plt.subplots(len(engines), 1, figsize=(max(8, 1.1 * len(order) + 1), 1.8 + 3.0 * len(engines)),
+                             squeeze=False, sharex=True, sharey=True)
+    for ax, engine in zip(axes[:, 0], engines):
+        long = parts[engine]
+        long["trace"] = [rep.trace_label(f, b) for f, b in zip(long["family"], long["max_active"])]
+        if long.empty:
+            ax.text(0.5, 0.5, f"{engine}: not in this run", ha="center", va="center", transform=ax.transAxes)
+        else:
+            sns.barplot(long, x="trace", y="ratio", hue="timing", order=order, hue_order=timings, errorbar="sd",
+                        capsize=0.15, ax=ax)
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="parity (1.0)")
+        ax.set_xticks(range(len(order)), [label.replace(" ", "\n") for label in order])
+        ax.set_xlabel("trace family, max active requests")
+        name = _engine_label(engine).replace(" · ", "\n· ")
+        ax.set_ylabel(f"{name}\ndecode-token throughput ratio (×)", fontsize=9)
+        if ax.get_legend() is not None:
+            ax.get_legend().remove()
+    handles, labels = [], []
+    for ax in axes[:, 0]:
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
+    axes[0, 0].legend(handles, labels, title="timing (error bars: std over seeds)", fontsize=8, title_fontsize=8,
+                      ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    names = ["adaptive route" if len(engines) - ("pkv-graph" in engines) == 1 else "adaptive routes",
+             *[e for e in engines if e == "pkv-graph"]]
+    title = " and ".join(names)
+    return _layout(fig, f"{title[0].upper()}{title[1:]} over the {_baseline_name(frame)}, held-out seeds", smoke)
 
 
 def latency_vs_context(frame: pd.DataFrame, smoke: bool) -> bytes:
