@@ -21,35 +21,16 @@ from pkv.api import LAYOUTS, DecodeWrapper, decode, make_workspace
 from pkv.api.op import paged_decode
 from pkv.core.fp8 import quantize
 from pkv.kernels.reference import attention_reference
+from api_cases import in_layout, make_case
 
 REPO = Path(__file__).resolve().parents[1]
 LENS = [1, 17, 0, 300, 1500]   # direct rows, a padding row, rows the oracle splits over CTAs and merges
 TOL = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def in_layout(kv, layout, pair):
-    """Our kv [pages, 2, Hkv, P, D] as a fresh tensor (or K, V pair) of `layout`."""
-    t = {"HND": kv, "NHD": kv.transpose(2, 3), "vllm": kv.transpose(2, 3).transpose(0, 1)}[layout].contiguous()
-    if not pair:
-        return t
-    return (t[0], t[1]) if layout == "vllm" else (t[:, 0].contiguous(), t[:, 1].contiguous())
-
-
 def make(lens=LENS, hq=8, hkv=2, d=64, p=16, dtype=torch.float16, seed=0):
     """kv (ours), a block table of shuffled pages, seq_lens and q."""
-    rng = np.random.default_rng(seed)
-    need = [-(-n // p) for n in lens]
-    width, pages = max(max(need), 1), sum(need) + 3
-    perm = rng.permutation(pages)
-    table = np.zeros((len(lens), width), dtype=np.int32)
-    at = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[at:at + n]
-        at += n
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn(pages, 2, hkv, p, d, generator=gen).to(dtype)
-    q = torch.randn(len(lens), hq, d, generator=gen).to(dtype)
-    return kv, torch.as_tensor(table), torch.tensor(lens, dtype=torch.int32), q
+    return make_case(lens, hq, hkv, d, p, dtype, seed)
 
 
 def compare(out, ref, lens, dtype=torch.float16):

@@ -17,7 +17,8 @@ import torch
 from pkv.api import DecodeWrapper, decode
 from pkv.core.fp8 import quantize
 from pkv.kernels.reference import attention_reference
-from test_kernels import TOL, check, seed_of
+from api_cases import in_layout, make_case
+from test_kernels import check, seed_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -28,29 +29,9 @@ LENS = [1, 17, 0, 300, 9 * K + 5, 40 * K]   # direct rows, a padding row, and ro
 LSE_TOL = 2e-3
 
 
-def in_layout(kv, layout, pair):
-    """Our kv [pages, 2, Hkv, P, D] as a fresh tensor (or K, V pair) of `layout`."""
-    t = {"HND": kv, "NHD": kv.transpose(2, 3), "vllm": kv.transpose(2, 3).transpose(0, 1)}[layout].contiguous()
-    if not pair:
-        return t
-    return (t[0], t[1]) if layout == "vllm" else (t[:, 0].contiguous(), t[:, 1].contiguous())
-
-
 def make(lens, hq=32, hkv=8, d=128, p=16, dtype=torch.float16, seed=0):
     """kv (ours), a block table of shuffled pages, seq_lens and q, all on the GPU."""
-    rng = np.random.default_rng(seed)
-    need = [-(-n // p) for n in lens]
-    width, pages = max(max(need), 1), sum(need) + 3
-    perm = rng.permutation(pages)
-    table = np.zeros((len(lens), width), dtype=np.int32)
-    at = 0
-    for i, n in enumerate(need):
-        table[i, :n] = perm[at:at + n]
-        at += n
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    kv = torch.randn(pages, 2, hkv, p, d, generator=gen, device="cuda").to(dtype)
-    q = torch.randn(len(lens), hq, d, generator=gen, device="cuda").to(dtype)
-    return kv, torch.as_tensor(table, device="cuda"), torch.tensor(lens, dtype=torch.int32, device="cuda"), q
+    return make_case(lens, hq, hkv, d, p, dtype, seed, device="cuda")
 
 
 def compare(out, ref, lens, dtype, what, lse=None, ref_lse=None):
