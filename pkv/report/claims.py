@@ -271,8 +271,8 @@ class Claim:
 
 WALL = "wall time adds each step's host work (FlashInfer's plan(), a PersistentKV route's metadata copy) to its device work"
 CUDA = "CUDA events time a step's queued device work and launch gaps, not its host planning"
-ROUTE = ("the route is the cost model's pick from constants calibrated on this GPU (supported_groups and min_context "
-         "in calibration/constants.json), not the paper's RTX 3060 gates")
+ROUTE = ("the route is the cost model's pick from constants calibrated on this GPU (supported groups, minimum context "
+         "and promotion margins in calibration/constants.json), not the paper's RTX 3060 gates")
 NOREG = "no regression holds whichever route the adaptive policy takes, if it keeps FlashInfer's throughput"
 ISO = "one call's device time at B1; at long context both kernels are bound by HBM reads, so the ratio is fixed cost and split efficiency"
 
