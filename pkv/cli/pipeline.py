@@ -56,8 +56,8 @@ def add_commands(sub) -> None:
 
     rep = sub.add_parser("report", help="regenerate tables and figures from the Parquet under RESULTS_DIR")
     rep.add_argument("results_dir", nargs="?", help="default: the folder two levels above the --target files")
-    rep.add_argument("--target", action="append", default=[],
-                     help="only this output (e.g. results/tables/serving.md); repeatable")
+    rep.add_argument("--target", action="extend", nargs="+", default=[],
+                     help="only these outputs (e.g. results/tables/serving.md results/tables/serving.tex); repeatable")
     rep.set_defaults(func=report_cmd)
 
     cmp = sub.add_parser("compare", help="a run's tables beside the committed reference run's (ratios side by side)")

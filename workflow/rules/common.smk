@@ -142,7 +142,7 @@ def final_outputs():
     Nsight capture when enabled, and for a paper run of your own, its comparison with the
     reference run."""
     tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if in_all(t, PROFILE)]
-    tables += [getattr(rules, f"report_{n}_latex").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE)]
+    tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE)]
     figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
     return tables + figures + stage_outputs("nsight_kernels") + comparison

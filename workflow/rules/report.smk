@@ -13,45 +13,35 @@ def table_title(name, table):
     return external_identity(C["external"])[1] if name == "external" else table.title
 
 
+def table_outputs(name, table):
+    """A table's files: Markdown, and LaTeX too for the paper's tables (one job writes both)."""
+    files = {"md": report(out(f"tables/{name}.md"), caption=CAPTION, category="Tables",
+                          labels={"table": name, "format": "Markdown"})}
+    if table.latex:
+        files["tex"] = report(out(f"tables/{name}.tex"), caption=CAPTION, category="Tables",
+                              labels={"table": name, "format": "LaTeX"})
+    return files
+
+
 for _name, _table in TABLE_SPECS.items():
 
     rule:
-        """A table of pkv.report.spec (Markdown), built by `pkv report --target` from Parquet."""
+        """A table of pkv.report.spec (Markdown, and LaTeX for a paper table), built by `pkv report --target` from Parquet."""
         name:
             f"report_{_name}"
         input:
             table_inputs(_name),
         output:
-            md=report(out(f"tables/{_name}.md"), caption=CAPTION, category="Tables", labels={"table": _name, "format": "Markdown"}),
+            **table_outputs(_name, _table),
         params:
             caption=f"{table_title(_name, _table)}. {_table.caption}",
         localrule: True
         conda:
             "../../envs/pkv.yaml"
         log:
-            out(f"logs/report/{_name}.md.log"),
+            out(f"logs/report/{_name}.log"),
         shell:
-            "python3 -m pkv.cli report --target {output.md:q} > {log:q} 2>&1"
-
-    if _table.latex:
-
-        rule:
-            """A paper table of pkv.report.spec in LaTeX, built by `pkv report --target` from Parquet."""
-            name:
-                f"report_{_name}_latex"
-            input:
-                table_inputs(_name),
-            output:
-                tex=report(out(f"tables/{_name}.tex"), caption=CAPTION, category="Tables", labels={"table": _name, "format": "LaTeX"}),
-            params:
-                caption=f"{table_title(_name, _table)} (LaTeX). {_table.caption}",
-            localrule: True
-            conda:
-                "../../envs/pkv.yaml"
-            log:
-                out(f"logs/report/{_name}.tex.log"),
-            shell:
-                "python3 -m pkv.cli report --target {output.tex:q} > {log:q} 2>&1"
+            "python3 -m pkv.cli report --target {output:q} > {log:q} 2>&1"
 
 
 for _name, _figure in FIGURE_SPECS.items():
