@@ -172,23 +172,44 @@ def serving_ratios_figure(frame: pd.DataFrame, smoke: bool):
 
 
 def latency_vs_context(frame: pd.DataFrame, smoke: bool) -> bytes:
+    """Left: median latency per call over context (log axes, plain labels); right: the
+    faster FlashInfer variant's latency over each other engine's (> 1: faster), where the
+    near-equal latencies of the left panel separate."""
     f = frame.copy()
     f["device_ms"] = f["graph_s"].fillna(f["cuda_s"]).fillna(f["wall_s"]) * 1e3
     med = f.groupby(["engine", "split", "max_len"], sort=True, observed=True)["device_ms"].median().reset_index()
     # PersistentKV at its best split per context (auto split), every other engine as is.
-    best = med.loc[med.groupby(["engine", "max_len"], observed=True)["device_ms"].idxmin()]
+    best = med.loc[med.groupby(["engine", "max_len"], observed=True)["device_ms"].idxmin()].copy()
+    base = rep.baselines(frame)
+    fastest = best[best["engine"].isin(base)].groupby("max_len", observed=True)["device_ms"].min()
+    best["speedup"] = best["max_len"].map(fastest) / best["device_ms"]
     best["engine"] = [e + " (auto split)" if e.startswith("pkv-") else e for e in best["engine"]]
     timing = "CUDA-graph replay" if f["graph_s"].notna().any() else "CUDA events" if f["cuda_s"].notna().any() else "wall"
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    sns.lineplot(best, x="max_len", y="device_ms", hue="engine", style="engine", markers=True, dashes=False, ax=ax)
-    ax.set_xscale("log", base=2)
+    engines = sorted(best["engine"].unique())
+    palette = dict(zip(engines, sns.color_palette(n_colors=len(engines))))
+    markers = dict(zip(engines, "os^DvP*Xp"))
     contexts = sorted(best["max_len"].unique())
-    ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 else str(c) for c in contexts])
+    fig, (ax, rx) = plt.subplots(1, 2, figsize=(11, 4.2), sharex=True)
+    for e in engines:
+        g = best[best["engine"] == e].sort_values("max_len")
+        ax.plot(g["max_len"], g["device_ms"], marker=markers[e], color=palette[e], label=e)
+        if e not in base:
+            rx.plot(g["max_len"], g["speedup"], marker=markers[e], color=palette[e], label=e)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(contexts, [tokens_label(c) for c in contexts])
     ax.xaxis.set_minor_locator(NullLocator())
-    ax.set_ylim(bottom=0)
-    ax.set_xlabel("context length (tokens)")
+    ms = best["device_ms"].dropna()
+    plain_log_axis(ax.yaxis, ms.min() / 1.2, ms.max() * 1.2)
+    for a in (ax, rx):
+        a.set_xlabel("context length (tokens)")
     ax.set_ylabel(f"latency per call, median (ms, {timing})")
-    ax.legend(title="engine", fontsize=8, title_fontsize=8)
+    rx.axhline(1.0, color="black", linestyle="--", linewidth=1)
+    rx.set_ylim(bottom=0)
+    rx.set_ylabel("its latency ÷ the engine's (×, > 1: faster)")
+    ax.set_title("latency per call", fontsize=10)
+    rx.set_title(f"over the {_baseline_name(frame)}", fontsize=10)
+    rx.legend(*ax.get_legend_handles_labels(), title="engine", fontsize=8, title_fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.02, 1.0), frameon=False)
     return _finish(fig, "Isolated decode attention, B=1, 50% holes", smoke)
 
 
@@ -215,12 +236,14 @@ def launches_per_step(frame: pd.DataFrame, smoke: bool) -> bytes:
     f = frame.copy()
     f["trace"] = [rep.trace_label(fa, b) for fa, b in zip(f["family"], f["max_active"])]
     order = [rep.trace_label(fa, b) for fa, b in rep.trace_order(f)]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(max(8.0, 1.2 * len(order) + 1), 4.4))
     sns.barplot(f, x="trace", y="launches", hue="engine", order=order, hue_order=sorted(f["engine"].unique()),
                 errorbar=None, ax=ax)
+    ax.set_xticks(range(len(order)), [label.replace(" ", "\n") for label in order])   # two lines: no overlap
     ax.set_xlabel("trace family, max active requests")
     ax.set_ylabel("kernel launches per decode step (mean)")
-    ax.legend(title="engine", fontsize=8, title_fontsize=8, ncols=2)
+    ax.legend(title="engine", fontsize=8, title_fontsize=8, ncols=min(4, f["engine"].nunique()), loc="lower center",
+              bbox_to_anchor=(0.5, 1.0), frameon=False)   # above the axes, clear of the bars
     return _finish(fig, "Launch fan-out per decode step (held-out seeds)", smoke)
 
 
@@ -238,6 +261,9 @@ def coverage(frame: pd.DataFrame, smoke: bool) -> bytes:
     fig, ax = plt.subplots(figsize=(1.6 + 1.2 * grid.shape[1], 1.2 + 0.45 * grid.shape[0]))
     sns.heatmap(grid, annot=True, fmt=".2f", center=1.0, cmap="RdBu", cbar_kws={"label": "wall throughput ratio (×)"}, ax=ax)
     ax.grid(False)
+    ax.tick_params(axis="x", labelrotation=30)
+    for t in ax.get_xticklabels():
+        t.set_horizontalalignment("right")
     ax.set_xlabel("engine")
     ax.set_ylabel("regime (trace, max active, GQA group)")
     return _finish(fig, f"Coverage: wall throughput over the {_baseline_name(frame)}", smoke)
