@@ -132,7 +132,7 @@ def figure(frame: pd.DataFrame) -> bytes:
                 cbar_kws={"label": "faster FlashInfer ÷ pkv-graph"})
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("batch")
-    ax.set_title("Device-time ratio over (batch, context): > 1 means PersistentKV (pkv-graph) is faster")
+    ax.set_title("Device-time ratio over (batch, context)\n> 1: PersistentKV (pkv-graph) is faster", fontsize=10)
     fig.tight_layout()
     buf = _io.BytesIO()
     fig.savefig(buf, format="png", dpi=120, metadata={"Software": None})

@@ -35,7 +35,6 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter, LogLocator, NullFormatter  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tabulate import tabulate  # noqa: E402
@@ -191,6 +190,8 @@ COLORS = {"calibration seed (fixed route)": "tab:gray", "held-out (fixed route)"
 
 
 def accuracy_figure(points: pd.DataFrame, smoke: bool) -> bytes:
+    from pkv.report.figures import plain_log_axis
+
     routes = [r for r in (*baselines(), *sorted(pkv_routes())) if r in set(points["route"])]
     routes += sorted(set(points["route"]) - set(routes))
     ncols = min(2, max(1, len(routes)))
@@ -208,14 +209,8 @@ def accuracy_figure(points: pd.DataFrame, smoke: bool) -> bytes:
         lo = min(g["estimate_s"].min(), g["wall_s"].min()) * 1e3 * 0.8
         hi = max(g["estimate_s"].max(), g["wall_s"].max()) * 1e3 * 1.25
         ax.plot([lo, hi], [lo, hi], color="black", linewidth=1, linestyle="--")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlim(lo, hi)
-        ax.set_ylim(lo, hi)
-        for axis in (ax.xaxis, ax.yaxis):
-            axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-            axis.set_major_formatter(FormatStrFormatter("%g"))
-            axis.set_minor_formatter(NullFormatter())
+        for axis in (ax.xaxis, ax.yaxis):   # 1, 2, 5 x 10^k, plain labels, as few as read clearly
+            plain_log_axis(axis, lo, hi)
         err = np.log(g["estimate_s"] / g["wall_s"])
         ax.set_title(f"{route}\nmedian est/meas {np.exp(err.median()):.2f}, rms log err {np.sqrt((err ** 2).mean()):.2f}",
                      fontsize=9)
