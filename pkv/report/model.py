@@ -219,8 +219,20 @@ def step_medians(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def plot_model_step(frame: pd.DataFrame, smoke: bool) -> bytes:
+    """The model-step figure's PNG bytes (model_step_figure, saved)."""
+    import matplotlib.pyplot as plt
+
+    fig = model_step_figure(frame, smoke)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def model_step_figure(frame: pd.DataFrame, smoke: bool):
     """Median serial wall ms per step over the step's KV tokens: one panel per (model shape,
-    KV dtype) row and batch bucket column, one line per engine, the legend below the panels."""
+    KV dtype) row and batch bucket column, one line per engine, the legend below the panels.
+    The laid-out figure, not yet saved (tests read it)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -275,10 +287,7 @@ def plot_model_step(frame: pd.DataFrame, smoke: bool) -> bytes:
                    fontsize=8, frameon=False)
     fig.suptitle("Model step: serial wall time per step over the KV it reads (median per octave of tokens)"
                  + (f"\n{SMOKE_BANNER}" if smoke else ""), fontsize=11)
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=130, metadata={"Software": None})
-    plt.close(fig)
-    return buf.getvalue()
+    return fig
 
 
 def write_targets(root: Path, targets: list[Path]) -> list[Path]:
