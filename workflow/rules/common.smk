@@ -11,6 +11,7 @@ from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coer
                                 read_config_file, resolve_profile, run_root, validate_config)
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
 from pkv.config.jobs import STAGE_FILES, stage_files
+from pkv.config.stages import external_identity
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
 
@@ -67,6 +68,24 @@ wildcard_constraints:
     engine_set="[a-z][a-z0-9]*",
     context="[0-9]+",
     group="[0-9]+",
+
+
+CAPTION = "../report/caption.rst"   # renders a report rule's `caption` param (workflow/report/)
+
+
+def table_title(name, table):
+    """A table's title; the external trace's is the config's trace's (pkv.config.stages.external_identity)."""
+    return external_identity(C["external"])[1] if name == "external" else table.title
+
+
+def table_outputs(name, table):
+    """A table's files: Markdown, and LaTeX too for the paper's tables (one job writes both)."""
+    files = {"md": report(out(f"tables/{name}.md"), caption=CAPTION, category="Tables",
+                          labels={"table": name, "format": "Markdown"})}
+    if table.latex:
+        files["tex"] = report(out(f"tables/{name}.tex"), caption=CAPTION, category="Tables",
+                              labels={"table": name, "format": "LaTeX"})
+    return files
 
 
 def config_json():

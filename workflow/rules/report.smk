@@ -3,24 +3,6 @@
 # each marked for `snakemake --report` with its caption. For a paper run of your own, one
 # more table: the run beside the committed reference run (`pkv compare`).
 
-from pkv.config.stages import external_identity
-
-CAPTION = "../report/caption.rst"   # renders the rule's `caption` param
-
-
-def table_title(name, table):
-    """A table's title; the external trace's is the config's trace's (pkv.config.stages.external_identity)."""
-    return external_identity(C["external"])[1] if name == "external" else table.title
-
-
-def table_outputs(name, table):
-    """A table's files: Markdown, and LaTeX too for the paper's tables (one job writes both)."""
-    files = {"md": report(out(f"tables/{name}.md"), caption=CAPTION, category="Tables",
-                          labels={"table": name, "format": "Markdown"})}
-    if table.latex:
-        files["tex"] = report(out(f"tables/{name}.tex"), caption=CAPTION, category="Tables",
-                              labels={"table": name, "format": "LaTeX"})
-    return files
 
 
 for _name, _table in TABLE_SPECS.items():
