@@ -22,22 +22,17 @@ template <int D> struct MergeCfg {
   static constexpr int kMinBlocks = D == 128 ? 9 : 4;
 };
 
-// The step's tiles per row, scanned by the CTA (each thread owns kPer consecutive rows):
-// s_inc = inclusive prefix sum of tiles over rows; s_len / s_req (when given) the lengths
-// and block-table row ids. Returns total tiles and, in *nonzero, the rows of length > 0.
-template <int kThreadsT>
-__device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc, int* s_len, int* s_req, int* s_warp,
-                                         int* s_nzw, int* nonzero) {
+// The step's tiles per row, scanned by a CTA of kThreadsT threads, each owning the kPer
+// consecutive rows whose lengths it loaded into len: inc[i] = the thread's inclusive sum of
+// tiles up to its row i, *before = the tiles of every earlier thread's rows, *total = all
+// tiles, *nonzero = the rows of length > 0. One __syncthreads (s_warp, s_nzw: kThreadsT / 32
+// each). The decode and the merge kernel both cut from it, so they agree by construction.
+template <int kThreadsT, int kPer>
+__device__ __forceinline__ void scan_rows(const int (&len)[kPer], int (&inc)[kPer], int* s_warp, int* s_nzw,
+                                          int* before, int* total, int* nonzero) {
   constexpr int kW = kThreadsT / 32;
-  constexpr int kPer = kGraphMaxRows / kThreadsT;
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = p.num_rows;
-  int len[kPer], req[kPer], inc[kPer], run = 0, nz = 0;
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {  // every load of the scan in one round
-    const int r = tid * kPer + i;
-    len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
-    req[i] = s_req != nullptr && r < R ? __ldg(p.req_ids + r) : 0;
-  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int run = 0, nz = 0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     run += (len[i] + kTile - 1) / kTile;
@@ -55,21 +50,40 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
   if (lane == 31) s_warp[warp] = x;
   if (lane == 0) s_nzw[warp] = nz;
   __syncthreads();
-  int before = x - run, total = 0, all_nz = 0;
+  int b = x - run, t = 0, all_nz = 0;
 #pragma unroll
   for (int w = 0; w < kW; ++w) {
-    before += w < warp ? s_warp[w] : 0;
-    total += s_warp[w];
+    b += w < warp ? s_warp[w] : 0;
+    t += s_warp[w];
     all_nz += s_nzw[w];
   }
+  *before = b, *total = t, *nonzero = all_nz;
+}
+
+// The decode's scan: every length and block-table row id loaded in one round, scanned
+// (scan_rows), then s_inc (inclusive prefix sum of tiles over rows), s_len and s_req in
+// shared memory. Returns total tiles and, in *nonzero, the rows of length > 0.
+template <int kThreadsT>
+__device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc, int* s_len, int* s_req, int* s_warp,
+                                         int* s_nzw, int* nonzero) {
+  constexpr int kPer = kGraphMaxRows / kThreadsT;
+  const int tid = threadIdx.x, R = p.num_rows;
+  int len[kPer], req[kPer], inc[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) {  // every load of the scan in one round
+    const int r = tid * kPer + i;
+    len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
+    req[i] = r < R ? __ldg(p.req_ids + r) : 0;
+  }
+  int before, total;
+  scan_rows<kThreadsT>(len, inc, s_warp, s_nzw, &before, &total, nonzero);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     s_inc[tid * kPer + i] = before + inc[i];
-    if (s_len != nullptr) s_len[tid * kPer + i] = len[i];
-    if (s_req != nullptr) s_req[tid * kPer + i] = req[i];
+    s_len[tid * kPer + i] = len[i];
+    s_req[tid * kPer + i] = req[i];
   }
   __syncthreads();
-  *nonzero = all_nz;
   return total;
 }
 
@@ -273,37 +287,18 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   unsigned long long* const rec = nullptr;
   (void)rec;
 #endif
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, R = p.num_rows;
+  const int tid = threadIdx.x, R = p.num_rows;
   const int H = p.num_kv_heads, G = p.group, Hq = H * G;
-  // The decode's scan (scan_step), keeping each thread's inclusive prefix sums in registers.
-  int inc[kPer], run = 0, nz = 0;
+  // The decode's scan (scan_rows), keeping each thread's inclusive prefix sums in registers.
+  int len[kPer], inc[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int r = tid * kPer + i;
-    const int len = r < R ? __ldg(p.seq_lens + r) : 0;
-    run += (len + kTile - 1) / kTile;
-    nz += len > 0;
-    inc[i] = run;
+    len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
   }
-  int x = run;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-#pragma unroll
-  for (int o = 16; o; o >>= 1) nz += __shfl_xor_sync(0xffffffffu, nz, o);
-  if (lane == 31) s_warp[warp] = x;
-  if (lane == 0) s_nzw[warp] = nz;
-  if (tid == 0) s_job[0] = -1;
-  __syncthreads();
-  int before = x - run, total = 0, all_nz = 0;
-#pragma unroll
-  for (int w = 0; w < kW; ++w) {
-    before += w < warp ? s_warp[w] : 0;
-    total += s_warp[w];
-    all_nz += s_nzw[w];
-  }
+  if (tid == 0) s_job[0] = -1;  // ordered before the readers by scan_rows' barrier
+  int before, total, all_nz;
+  scan_rows<kMergeThreads>(len, inc, s_warp, s_nzw, &before, &total, &all_nz);
   const int64_t W = static_cast<int64_t>(total) * H;
   const int n = active_ctas(W, all_nz * H, p);
   const int j = blockIdx.x;
