@@ -9,6 +9,12 @@ the paper's tolerance, plus a sampled FP32 reference check), then the timed pass
 - graph_s: device time of one CUDA-graph replay of run(), L2 flushed first (no host
   overhead at all).
 
+Layers (mlp_proxy): a step of `job.layers` > 1 layers is one prepare() (one metadata
+upload) and then, per layer i, run(q, plan, caches[i]) over layer i's own KV cache (same
+page table, its own values) and the tail; every timing covers all the layers. The
+correctness pass checks layer 0 and the last layer, each against the baseline and the
+FP32 reference over that layer's cache; a row's errors are the worse of the two.
+
 On the CPU, cuda_s and graph_s are NaN. Engines are timed in a rotated order per step
 so that no engine always runs first. The timings themselves (and the L2 policy) are
 pkv.measure.timing's. The column schema is `COLUMNS` (docs/schema.md).
@@ -20,7 +26,7 @@ import math
 import statistics
 import sys
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import numpy as np
 import pandas as pd
@@ -99,32 +105,45 @@ def measure(
     graph: bool,
     repeats: int = 1,
     tail: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    layer_caches: Sequence[PagedCache] | None = None,
 ) -> pd.DataFrame:
-    """Rows of COLUMNS, one per (step, engine); raises CorrectnessError before timing a bad step."""
+    """Rows of COLUMNS, one per (step, engine); raises CorrectnessError before timing a bad step.
+
+    `layer_caches`: the job.layers caches a step's layers read, layer_caches[0] being `cache` (the one
+    the engines were built on) and all over its page table; needed when job.layers > 1."""
     if baseline not in engines:
         raise ValueError(f"baseline engine {baseline!r} is not among {sorted(engines)}")
+    caches = [cache] if layer_caches is None else list(layer_caches)
+    if len(caches) != job.layers or caches[0] is not cache:
+        raise ValueError(f"{job.layers} layer(s) need as many KV caches, the first the engines' own; got {len(caches)}")
     cuda = cache.kv.is_cuda
-    timer = Timer(cuda, graph, job.layers, tail)
+    timer = Timer(cuda, graph, job.layers, tail, caches if job.layers > 1 else None)
+    checked = sorted({0, len(caches) - 1})   # layer 0 and the last: each must read its own KV
     labels = list(engines)
     rows = []
     for i, state in enumerate(tqdm(steps, desc=f"{job.stage} {job.trace}", unit="step", file=sys.stderr,
                                    mininterval=2.0)):
         q = cache.query(state.active, seed=job.seed * 1009 + state.step)
-        # Correctness first (untimed; also warms every engine for this step's shapes).
-        base = engines[baseline].run(q, engines[baseline].prepare(state))
-        ref = None
-        if i % reference_every == 0:
-            ref = attention_reference(q, cache.values(), cache.block_table[torch.as_tensor(state.request_ids, device=cache.device)],
-                                      tensor_lens(state.seq_lens, cache.device))
+        # Correctness first (untimed; also warms every engine for this step's shapes): one
+        # prepare() per engine, then run() over each checked layer's cache.
+        base_plan = engines[baseline].prepare(state)
+        bases = [engines[baseline].run(q, base_plan, caches[j]).clone() for j in checked]
+        refs = [_reference(q, caches[j], state) if i % reference_every == 0 else None for j in checked]
         errs = {}
         for label in labels:
-            out = base if label == baseline else engines[label].run(q, engines[label].prepare(state))
-            err = _errors(out, base)
-            _check(job, state.step, label, baseline, err, tol)
-            ref_err = _errors(out, ref) if ref is not None else (math.nan, math.nan)
-            if ref is not None:
-                _check(job, state.step, label, "FP32 reference", ref_err, tol)
-            errs[label] = err + ref_err
+            plan = base_plan if label == baseline else engines[label].prepare(state)
+            worst = None
+            for j, base, ref in zip(checked, bases, refs):
+                out = base if label == baseline else engines[label].run(q, plan, caches[j])
+                name = label if len(caches) == 1 else f"{label} (layer {j})"
+                err = _errors(out, base)
+                _check(job, state.step, name, baseline, err, tol)
+                ref_err = _errors(out, ref) if ref is not None else (math.nan, math.nan)
+                if ref is not None:
+                    _check(job, state.step, name, "FP32 reference", ref_err, tol)
+                e = err + ref_err
+                worst = e if worst is None else tuple(max(a, b) for a, b in zip(worst, e))
+            errs[label] = worst
         # Timed pass, engine order rotated per step: wall and events of every engine first,
         # then graph replays. Capturing and freeing a graph leaves allocator and driver work
         # behind; measured on the H200, it landed in the next engine's wall time (+1 ms).
@@ -137,6 +156,12 @@ def measure(
                              statistics.median(s[2] for s in samples[label]),
                              timer.graph_time(label, engines[label], q, plan)))
     return pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)
+
+
+def _reference(q: torch.Tensor, cache: PagedCache, state: StepState) -> torch.Tensor:
+    """The FP32 reference attention of this step over `cache` (one layer's KV)."""
+    table = cache.block_table[torch.as_tensor(state.request_ids, device=cache.device)]
+    return attention_reference(q, cache.values(), table, tensor_lens(state.seq_lens, cache.device))
 
 
 def _row(job: Job, state: StepState, label: str, kv_dtype: str, plan, errs, wall: float, cuda: float,

@@ -21,10 +21,11 @@ import math
 import statistics
 import sys
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
+from pkv.core.cache import PagedCache
 from pkv.engines import Engine
 from pkv.core.harness import StepState
 
@@ -38,18 +39,28 @@ def sync(device: str | torch.device) -> None:
 
 
 class Timer:
-    """Wall, CUDA-event and CUDA-graph timing of prepare() + `layers` x (run() + tail)."""
+    """Wall, CUDA-event and CUDA-graph timing of prepare() + `layers` x (run() + tail).
 
-    def __init__(self, cuda: bool, graph: bool, layers: int, tail: Callable[[torch.Tensor], torch.Tensor] | None):
+    One prepare() a step serves every layer; layer i runs run(q, plan, caches[i]): its own
+    KV over the engine's page table (Engine.layer). `layers` > 1 needs those caches (no
+    layer rereads another's KV); with one layer, the engine reads its own cache."""
+
+    def __init__(self, cuda: bool, graph: bool, layers: int, tail: Callable[[torch.Tensor], torch.Tensor] | None,
+                 caches: Sequence[PagedCache] | None = None):
+        if caches is None and layers > 1:
+            raise ValueError(f"{layers} layers need one KV cache each (caches=...)")
+        if caches is not None and len(caches) != layers:
+            raise ValueError(f"{layers} layers, {len(caches)} KV caches")
         self.cuda, self.graph, self.layers, self.tail = cuda, graph and cuda, layers, tail
+        self.caches: list[PagedCache | None] = list(caches) if caches is not None else [None]
         self.graph_failed: set[str] = set()
         if self.cuda:
             self.flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
             self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def _body(self, engine: Engine, q: torch.Tensor, plan) -> torch.Tensor:
-        for _ in range(self.layers):
-            out = engine.run(q, plan)
+        for cache in self.caches:
+            out = engine.run(q, plan, cache)
             if self.tail is not None:
                 self.tail(out)
         return out
