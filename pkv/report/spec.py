@@ -111,11 +111,14 @@ TABLE_SPECS = {
 }
 
 FIGURE_SPECS = {
-    "serving_ratios": FigureSpec("Adaptive route over the faster FlashInfer variant per serving trace, by timing "
-                                 "(wall, CUDA events, CUDA-graph replay); bars are means over held-out seeds, error "
-                                 "bars their std.", ("serve",)),
+    "serving_ratios": FigureSpec("Each router engine (adaptive, adaptive:objective=overlapped) and pkv-graph where "
+                                 "measured, over the faster FlashInfer variant per serving trace, one panel per engine, "
+                                 "by timing (wall, CUDA events, CUDA-graph replay); bars are means over held-out seeds, "
+                                 "error bars their std.", ("serve",)),
     "latency_vs_context": FigureSpec("Isolated decode attention (B=1, 50% holes): median latency per call against "
-                                     "context length, PersistentKV at its best split.", ("isolated",)),
+                                     "context length (left), and the faster FlashInfer variant's latency over each "
+                                     "other engine's (right, > 1: faster), PersistentKV at its best split.",
+                                     ("isolated",)),
     "split_sensitivity": FigureSpec("Wall throughput ratio against the forced split count: the cost-model policy "
                                     "(ablation seed) and the B4 workqueue sweep (held-out seeds).",
                                     ("split_sensitivity", "b4_sweep")),
@@ -128,8 +131,10 @@ FIGURE_SPECS = {
                                ("kernels",), render="kernel_ratio_png", profiles=("paper",)),
     "router_accuracy": FigureSpec("Router accuracy: the cost model's estimate against the measured time per route, "
                                   "one panel per route.", ("serve", "calibration"), render="router_accuracy_png"),
-    "model_step": FigureSpec("Model-level decode step time over context length, per engine, one panel per model "
-                             "shape.", ("model_step",), render="model_step_png", in_all=False),
+    "model_step": FigureSpec("Model-level decode step: median serial wall time per step (host prepare + launch + "
+                             "synchronize) against the KV tokens the step reads per layer, one line per engine; one row "
+                             "of panels per model shape and KV dtype, one column per batch bucket. Device times and "
+                             "ratios are in the table.", ("model_step",), render="model_step_png", in_all=False),
 }
 
 # Stages measured once per held-out seed: a table over them flags any seed that is missing.
