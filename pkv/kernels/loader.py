@@ -69,7 +69,19 @@ def ops():
     build = Path.home() / ".cache" / "pkv" / key
     build.mkdir(parents=True, exist_ok=True)
     name = f"pkv_ext_{key}"
-    fresh = not (build / f"{name}.so").is_file()
+    so = build / f"{name}.so"
+    if so.is_file():
+        # The key covers everything the build depends on, so an existing library is this
+        # tree's: load it without cpp_extension's ninja up-to-date check (every process of
+        # a pipeline pays that otherwise). One that does not load (a build killed while
+        # linking) is rebuilt below.
+        try:
+            torch.ops.load_library(str(so))
+            return torch.ops.pkv
+        except (OSError, RuntimeError) as e:
+            print(f"pkv: {so} does not load ({e}); rebuilding", file=sys.stderr, flush=True)
+            so.unlink(missing_ok=True)   # else ninja would call it up to date
+    fresh = not so.is_file()
     if fresh:   # a silent minute looks like a hang
         print(f"pkv: building the CUDA kernels for sm_{capability[0]}{capability[1]} in {build} "
               f"(first use of this tree, torch and GPU; about 1-2 minutes)", file=sys.stderr, flush=True)
