@@ -104,3 +104,24 @@ def test_the_stages_read_the_config_through_it():
         text = (REPO / rel).read_text()
         assert not re.search(r"cfg\[\"", text), rel
     assert typed.Config.of(typed.Config.from_dict(effective(CONFIG, "smoke"))).profile == "smoke"
+
+
+def test_a_partial_kv_fp8_section_is_named_and_a_smoke_patch_of_it_is_fine():
+    """ablations.kv_fp8 is optional and, given, whole; the smoke section may change a few of
+    its keys (deep-merged over the paper's)."""
+    import copy
+
+    import yaml
+
+    from pkv.config.resolve import ConfigError, effective, load_schema, validate_config
+
+    raw = yaml.safe_load(open("config.yaml"))
+    whole = {"family": "bimodal", "max_active": 8, "policy": "tensor", "engines": ["pkv-graph"]}
+    cfg = copy.deepcopy(raw)
+    cfg["ablations"]["kv_fp8"] = whole
+    cfg["smoke"]["ablations"]["kv_fp8"] = {"max_steps": 4, "engines": ["reference", "pkv-graph"]}
+    validate_config(cfg, load_schema())
+    assert Config.from_dict(effective(cfg, "smoke")).ablations.kv_fp8.engines == ("reference", "pkv-graph")
+    del cfg["ablations"]["kv_fp8"]["family"]
+    with pytest.raises(ConfigError, match=r"^config: ablations\.kv_fp8\.family: missing key$"):
+        Config.from_dict(effective(cfg, "paper"))

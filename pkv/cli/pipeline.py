@@ -104,8 +104,8 @@ def freeze_config_cmd(args) -> int:
     if not isinstance(cfg, dict):
         raise ValueError("freeze-config: --json is not a config (expected a JSON object)")
     validate_config(cfg, load_schema(), "freeze-config --json")
+    typed = Config.from_dict(cfg, "freeze-config --json")   # first: a section's missing key, by name
     check_config(cfg, "freeze-config --json")
-    typed = Config.from_dict(cfg, "freeze-config --json")
     write_config(cfg, args.out)
     print(f"froze profile {typed.profile} (config hash {config_hash(cfg)}) to {args.out}", file=sys.stderr)
     return 0

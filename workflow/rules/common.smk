@@ -12,6 +12,7 @@ from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coer
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
 from pkv.config.jobs import STAGE_FILES, stage_files
 from pkv.config.stages import external_identity
+from pkv.config.typed import Config
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
 
@@ -32,6 +33,7 @@ GPU = gpu_name() if config["profile"] == "auto" or (config["profile"] == "paper"
 PROFILE = resolve_profile(config["profile"], GPU is not None)
 C = effective(config, PROFILE, OVERRIDES)
 validate_config(C, SCHEMA, f"config ({PROFILE} profile)")
+Config.from_dict(C, f"config ({PROFILE} profile)")   # every key of every section, named when missing
 check_config(C)
 ROOT = run_root(PROFILE, config["run"], GPU)
 # The committed reference run: up to date when its files are there, whatever their mtimes
