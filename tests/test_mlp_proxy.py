@@ -24,6 +24,7 @@ from pkv.cli.main import main as pkv
 from pkv.config.resolve import ConfigError, config_hash, effective, load_schema, validate_config
 from pkv.config.typed import MLP_PROXY_ENGINES, Config
 from pkv.core.io import read_meta
+from pkv.core.paging import compact
 from pkv.engines import make_engine
 from pkv.kernels.reference import attention_reference
 from pkv.measure import model_plan as mp
@@ -67,8 +68,8 @@ def test_every_layer_shares_one_page_table_over_the_measured_pages():
     cfg, trace, shape, steps, caches = _setup()
     assert len(caches) == LAYERS and all(c.assignment is caches[0].assignment for c in caches)
     full = stages.assign_pages(trace.total_len, shape.page_size, cfg.measure.holes, SEED)
-    # The same compaction as the model step's (which this module cannot import: a circle).
-    want, got = mp.compact(full, steps), caches[0].assignment
+    # The model step's compaction (pkv.core.paging.compact, one definition).
+    want, got = compact(full, steps), caches[0].assignment
     assert got.num_pages == want.num_pages <= full.num_pages
     assert np.array_equal(got.pages, want.pages) and np.array_equal(got.page_offsets, want.page_offsets)
     assert all(np.array_equal(c.block_table_host, caches[0].block_table_host) for c in caches)
@@ -81,9 +82,13 @@ def test_every_layer_shares_one_page_table_over_the_measured_pages():
 def test_a_compacted_table_drops_pages_no_measured_step_reads():
     cfg, trace, shape, steps, _ = _setup(2)
     full = stages.assign_pages(trace.total_len, shape.page_size, 0.5, SEED)
-    few = stages.measured_pages(full, steps[:1])
-    assert few.num_pages < full.num_pages
-    assert np.array_equal(few.pages, mp.compact(full, steps[:1]).pages)
+    few = compact(full, steps[:1])
+    st, ps = steps[0], full.page_size
+    need = -(-np.asarray(st.seq_lens, dtype=np.int64) // ps)
+    assert few.num_pages == int(need.sum()) < full.num_pages   # exactly the pages the step reads
+    old = np.concatenate([full.request_pages(r)[:n] for r, n in zip(st.request_ids, need)])
+    new = np.concatenate([few.request_pages(r)[:n] for r, n in zip(st.request_ids, need)])
+    assert np.array_equal(np.argsort(old), np.argsort(new))   # renumbered in their physical order
 
 
 @pytest.mark.parametrize("name", ["reference", "pkv-workqueue", "pkv-graph", "adaptive"])

@@ -90,3 +90,19 @@ def flashinfer_view(assignment: PageAssignment, requests: np.ndarray, seq_lens: 
     flat = np.arange(indptr[-1]) - np.repeat(indptr[:-1], used) + np.repeat(starts, used)
     last = np.asarray(seq_lens, dtype=np.int64) - (used - 1) * p
     return FlashInferView(indptr.astype(np.int32), assignment.pages[flat].astype(np.int32), last.astype(np.int32))
+
+
+def compact(assignment: PageAssignment, steps) -> PageAssignment:
+    """`assignment` over only the pages the steps read (each request's first ceil(len / page)
+    pages at its longest measured length), renumbered 0..n-1 in their physical order, so the
+    scatter of the pages is kept and a cache holds no page no step reads. A page no step
+    reads maps to page 0 (it is never read)."""
+    ps = assignment.page_size
+    need = np.zeros(assignment.num_requests, dtype=np.int64)
+    for st in steps:
+        np.maximum.at(need, st.request_ids, -(-np.asarray(st.seq_lens, dtype=np.int64) // ps))
+    used = np.unique(np.concatenate([assignment.request_pages(r)[:n] for r, n in enumerate(need) if n]
+                                    or [np.zeros(1, np.int32)]))
+    remap = np.zeros(assignment.num_pages, dtype=np.int32)
+    remap[used] = np.arange(len(used), dtype=np.int32)
+    return PageAssignment(ps, len(used), assignment.page_offsets, remap[assignment.pages], assignment.reserved_len)

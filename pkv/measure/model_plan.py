@@ -4,7 +4,7 @@ buckets, and the per-layer KV caches sized from the pages the measured steps rea
 
 Memory (docs/graph-decode.md, "Memory"): every layer has its own KV tensor, so a shape's
 caches hold layers x pages x page_size x 2 (K, V) x H_kv x d x bytes. The pages are those
-the job's measured steps read (`compact`), not every page the whole trace would reserve;
+the job's measured steps read (`pkv.core.paging.compact`), not every page the whole trace would reserve;
 `kv_bytes` is that arithmetic, written into the file's metadata per (shape, trace).
 """
 
@@ -17,7 +17,7 @@ import numpy as np
 from pkv.config.resolve import ConfigError, point_key
 from pkv.config.typed import Config, ModelStep
 from pkv.core.harness import StepState
-from pkv.core.paging import PageAssignment, assign_pages
+from pkv.core.paging import PageAssignment, assign_pages, compact
 from pkv.core.shape import Shape
 from pkv.core.traces import Trace
 from pkv.engines.model import CPU_ENGINES, GPU_ENGINES, MODEL_SHAPES, ModelShape
@@ -123,22 +123,6 @@ def adaptive_point(constants, family: str, max_active: int, fallback: str) -> st
 
 
 # ---------------------------------------------------------------- per-layer KV sizing
-
-
-def compact(assignment: PageAssignment, steps) -> PageAssignment:
-    """`assignment` over only the pages the steps read (each request's first ceil(len / page)
-    pages at its longest measured length), renumbered 0..n-1 in their physical order, so the
-    scatter of the pages is kept and a cache holds no page no step reads. A page no step
-    reads maps to page 0 (it is never read)."""
-    ps = assignment.page_size
-    need = np.zeros(assignment.num_requests, dtype=np.int64)
-    for st in steps:
-        np.maximum.at(need, st.request_ids, -(-np.asarray(st.seq_lens, dtype=np.int64) // ps))
-    used = np.unique(np.concatenate([assignment.request_pages(r)[:n] for r, n in enumerate(need) if n]
-                                    or [np.zeros(1, np.int32)]))
-    remap = np.zeros(assignment.num_pages, dtype=np.int32)
-    remap[used] = np.arange(len(used), dtype=np.int32)
-    return PageAssignment(ps, len(used), assignment.page_offsets, remap[assignment.pages], assignment.reserved_len)
 
 
 def layer_assignment(trace: Trace, shape: Shape, holes: float, seed: int, steps) -> PageAssignment:

@@ -8,7 +8,7 @@ RMSNorm. Weights are random (fixed seed), in the cache's dtype.
 
 Per-layer KV: every layer attends over its OWN KV tensor (same page table and lengths,
 its own random values), sized from the pages the measured steps read
-(pkv.measure.model_plan.compact; the bytes are in the file's metadata, `kv_memory`). Not
+(pkv.core.paging.compact; the bytes are in the file's metadata, `kv_memory`). Not
 modelled, the same for every engine: writing the new token's K/V, rotary embedding,
 embedding lookup, LM head and sampling. A shape with `of_layers` (llama-70b) simulates
 its model with fewer layers (metadata `simulated_layers`).

@@ -25,7 +25,7 @@ from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.stages import external_identity
 from pkv.config.typed import Config, KvFp8
-from pkv.core.paging import PageAssignment, assign_pages
+from pkv.core.paging import assign_pages, compact
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
 from pkv.core.trace_files import columns, load_trace
@@ -84,23 +84,6 @@ def steps_of(trace: Trace, max_active: int, max_steps: int) -> list[StepState]:
     return list(decode_steps(trace, max_active, max_steps))
 
 
-def measured_pages(assignment: PageAssignment, steps) -> PageAssignment:
-    """`assignment` over only the pages `steps` read (each request's first ceil(len / page)
-    pages at its longest measured length), renumbered 0..n-1 in their physical order (the
-    scatter kept); a page no step reads maps to page 0. pkv.measure.model_plan.compact
-    does the same (that module imports this one, so it cannot be imported here;
-    tests/test_mlp_proxy.py checks the two agree)."""
-    ps = assignment.page_size
-    need = np.zeros(assignment.num_requests, dtype=np.int64)
-    for st in steps:
-        np.maximum.at(need, st.request_ids, -(-np.asarray(st.seq_lens, dtype=np.int64) // ps))
-    used = np.unique(np.concatenate([assignment.request_pages(r)[:n] for r, n in enumerate(need) if n]
-                                    or [np.zeros(1, np.int32)]))
-    remap = np.zeros(assignment.num_pages, dtype=np.int32)
-    remap[used] = np.arange(len(used), dtype=np.int32)
-    return PageAssignment(ps, len(used), assignment.page_offsets, remap[assignment.pages], assignment.reserved_len)
-
-
 def build_layer_caches(cfg: Config | dict, trace: Trace, shape: Shape, holes: float, seed: int, steps, layers: int,
                        fp8_policy: str = "tensor") -> list[PagedCache]:
     """`layers` KV caches over ONE page table (the trace's, over the pages `steps` read), each
@@ -111,7 +94,7 @@ def build_layer_caches(cfg: Config | dict, trace: Trace, shape: Shape, holes: fl
     29k-34k pages (1.9-2.26 GB) per layer at full reservation, of which the measured steps
     read 14.5k-22.7k over the five held-out seeds: 32 layers take 30-48 GB, not 61-72 GB,
     within an H200's 141 GB with room. The stage records the bytes (metadata kv_memory)."""
-    assignment = measured_pages(assign_pages(trace.total_len, shape.page_size, holes, seed), steps)
+    assignment = compact(assign_pages(trace.total_len, shape.page_size, holes, seed), steps)
     device = device_of(Config.of(cfg))
     return [PagedCache.random(shape, assignment, device, (seed << 8) + i, fp8_policy=fp8_policy) for i in range(layers)]
 
