@@ -31,7 +31,7 @@ from pkv.measure.nsight import table5
 from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
                         ratios, router_label, routers, throughputs, trace_label, trace_order)
 # What the report reads and refuses (names re-exported for the modules that import them here).
-from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, load, missing_seeds,  # noqa: F401
+from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, frozen, load, missing_seeds,  # noqa: F401
                              seeds_cell)
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
@@ -333,9 +333,12 @@ def render(name: str, table: Table, raw: Raw, fmt: str) -> str:
 
 
 def targets(root: Path) -> list[Path]:
-    out = [root / "tables" / f"{n}.md" for n in TABLES]
-    out += [root / "tables" / f"{n}.tex" for n, t in TABLES.items() if t.latex]
-    out += [root / "figures" / f"{n}.png" for n in FIGURE_SPECS]
+    """Every table and figure of the folder's profile (its frozen config's; any, without one)."""
+    cfg = frozen(root)[0] if (root / "config.json").exists() else None
+    mine = (lambda spec: cfg["profile"] in spec.profiles) if cfg and "profile" in cfg else (lambda spec: True)
+    out = [root / "tables" / f"{n}.md" for n, t in TABLES.items() if mine(t)]
+    out += [root / "tables" / f"{n}.tex" for n, t in TABLES.items() if t.latex and mine(t)]
+    out += [root / "figures" / f"{n}.png" for n, f in FIGURE_SPECS.items() if mine(f)]
     return out
 
 
