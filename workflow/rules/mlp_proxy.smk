@@ -1,8 +1,9 @@
-# Table 3: attention + gated MLP tail (one layer, and layers sharing one plan per step).
+# Table 3: attention + gated MLP tail (one layer, and N layers: one plan per step serves
+# them all, each layer reading its own KV cache over one page table).
 
 
 rule measure_mlp_proxy:
-    """Table 3: attention plus a gated MLP tail at 1 and 32 layers, every held-out seed in one process."""
+    """Table 3: attention plus a gated MLP tail at each configured layer count (each layer its own KV), every held-out seed in one process."""
     input:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
