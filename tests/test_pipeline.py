@@ -247,14 +247,18 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
     work, args, *_ = smoke
     root = work / "results" / "smoke"
     serve = sorted((root / "raw" / "serve").glob("*.parquet"))
-    victims, kept = serve[:2], serve[2:]
-    # The state of a run that died in two serve jobs: those and everything after them missing.
+    # A serving job is one (point, engine set) over every seed: group the files by it.
+    job_of = lambda p: re.sub(r"-s\d+-", "-", p.stem)  # noqa: E731
+    jobs = sorted({job_of(p) for p in serve})[:2]
+    victims = [next(p for p in serve if job_of(p) == j) for j in jobs]   # one file of each of two jobs
+    kept = [p for p in serve if job_of(p) not in jobs]
+    # The state of a run that died in two serve jobs: a file of each and everything after them missing.
     for v in victims:
         v.unlink()
     for done in [*(root / "tables").iterdir(), *(root / "figures").iterdir()]:
         done.unlink()
     stamps = {p: p.stat().st_mtime_ns for p in [*kept, root / "calibration" / "constants.json"]}
-    logs = [root / "logs" / "serve" / (v.stem + ".log") for v in victims]
+    logs = [root / "logs" / "serve" / f"{j}.log" for j in jobs]
     for log in logs:
         log.unlink()
     proc = subprocess.Popen([*SNAKEMAKE, "all", "--cores", "1", *args], cwd=work, stdout=subprocess.DEVNULL,
