@@ -33,6 +33,7 @@ from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, baselines, mean_sd, modal_
 # What the report reads and refuses (names re-exported for the modules that import them here).
 from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, frozen, load, missing_seeds,  # noqa: F401
                              seeds_cell)
+from pkv.report.notes import missing_note, provenance_line, ran_line  # noqa: F401 (compare reads missing_note here)
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
 
@@ -284,38 +285,6 @@ BUILDERS = {
     "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations, "external": t_external,
 }
 TABLES = {name: Table(**asdict(spec), build=BUILDERS.get(name)) for name, spec in TABLE_SPECS.items()}
-
-
-def provenance_line(raw: Raw) -> str:
-    keys = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
-    parts = [f"{len(raw.metas)} Parquet file(s)"]
-    for k in keys:
-        parts.append(f"{k}: {', '.join(sorted({m.get(k, 'unknown') for m in raw.metas})) or '–'}")
-    return "; ".join(parts)
-
-
-def missing_note(raw: Raw) -> str:
-    if not raw.missing_seeds:
-        return ""
-    parts = [f"{label} lacks seed(s) {', '.join(map(str, seeds))}" for label, seeds in raw.missing_seeds.items()]
-    return "**Missing seeds** (means are over fewer seeds than the config's held-out seeds): " + "; ".join(parts) + "."
-
-
-def ran_line(raw: Raw) -> str:
-    """What ran: the engines of the table's rows and, where a router ran, the routes it took
-    (share of its steps), so a reader sees which kernels a ratio compares."""
-    f = raw.frame
-    if "engine" not in f or f.empty:
-        return ""
-    engines = sorted(set(f["engine"].astype(str)))
-    line = f"Engines: {', '.join(engines)}."
-    routers = [e for e in engines if table.family(table.parse_spec(e)[0]) == "adaptive"]
-    if routers and "route" in f:
-        share = f.loc[f["engine"].isin(routers), "route"].astype(str).value_counts(normalize=True)
-        shown = [f"{route} {frac:.0%}" for route, frac in share.head(6).items()]
-        more = f" and {len(share) - 6} more" if len(share) > 6 else ""
-        line += f" Routes the router took (share of its steps): {', '.join(shown)}{more}."
-    return line + "\n\n"
 
 
 def heading(name: str, table: Table, raw: Raw) -> tuple[str, str]:

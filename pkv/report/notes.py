@@ -1,0 +1,39 @@
+"""The lines under a stage table: what ran (engines, the router's routes), missing seeds,
+and the provenance of its Parquet files."""
+
+from __future__ import annotations
+
+from pkv.engines import table
+from pkv.report.load import Raw
+
+
+def provenance_line(raw: Raw) -> str:
+    keys = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
+    parts = [f"{len(raw.metas)} Parquet file(s)"]
+    for k in keys:
+        parts.append(f"{k}: {', '.join(sorted({m.get(k, 'unknown') for m in raw.metas})) or '–'}")
+    return "; ".join(parts)
+
+
+def missing_note(raw: Raw) -> str:
+    if not raw.missing_seeds:
+        return ""
+    parts = [f"{label} lacks seed(s) {', '.join(map(str, seeds))}" for label, seeds in raw.missing_seeds.items()]
+    return "**Missing seeds** (means are over fewer seeds than the config's held-out seeds): " + "; ".join(parts) + "."
+
+
+def ran_line(raw: Raw) -> str:
+    """What ran: the engines of the table's rows and, where a router ran, the routes it took
+    (share of its steps), so a reader sees which kernels a ratio compares."""
+    f = raw.frame
+    if "engine" not in f or f.empty:
+        return ""
+    engines = sorted(set(f["engine"].astype(str)))
+    line = f"Engines: {', '.join(engines)}."
+    routers = [e for e in engines if table.family(table.parse_spec(e)[0]) == "adaptive"]
+    if routers and "route" in f:
+        share = f.loc[f["engine"].isin(routers), "route"].astype(str).value_counts(normalize=True)
+        shown = [f"{route} {frac:.0%}" for route, frac in share.head(6).items()]
+        more = f" and {len(share) - 6} more" if len(share) > 6 else ""
+        line += f" Routes the router took (share of its steps): {', '.join(shown)}{more}."
+    return line + "\n\n"
