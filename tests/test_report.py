@@ -81,3 +81,21 @@ def test_whole_report_of_a_partly_measured_folder_skips_unmeasured_stages(tmp_pa
     assert not (tmp_path / "tables" / "isolated.md").exists()
     with pytest.raises(ValueError, match="no Parquet under"):
         build_report(tmp_path, [])   # without on_missing, a missing stage still fails
+
+
+def test_coverage_has_a_row_per_router_engine():
+    """Table 6 lists every adaptive engine's regimes (`adaptive:objective=overlapped` labelled
+    by its objective); with plain `adaptive` alone its rows are the committed table's."""
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from pkv.report.tables import t_coverage
+
+    files = sorted((Path("results") / "raw" / "serve").glob("*.parquet"))
+    f = pd.concat([pd.read_parquet(p) for p in files], ignore_index=True)
+    plain = t_coverage(SimpleNamespace(frame=f))
+    over = f[f["engine"] == "adaptive"].assign(engine="adaptive:objective=overlapped")
+    both = t_coverage(SimpleNamespace(frame=pd.concat([f, over], ignore_index=True)))
+    assert len(both) == 2 * len(plain)
+    pd.testing.assert_frame_equal(both.iloc[:len(plain)].reset_index(drop=True), plain)
+    assert set(both["Regime"].iloc[len(plain):]) == {f"{r} · objective=overlapped" for r in plain["Regime"]}

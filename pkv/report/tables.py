@@ -250,10 +250,10 @@ def t_coverage(raw: Raw) -> pd.DataFrame:
         if s.empty:
             continue
         r = ratios(s, keys)
-        a = r[r["engine"] == "adaptive"]
-        for key, g in a.groupby(keys[:-1], sort=True):
+        for router, (key, g) in ((e, kg) for e in routers(s) or ["adaptive"]
+                                 for kg in r[r["engine"] == e].groupby(keys[:-1], sort=True)):
             key = dict(zip(keys[:-1], key if isinstance(key, tuple) else (key,)))
-            steps = s[(s["engine"] == "adaptive")
+            steps = s[(s["engine"] == router)
                       & np.logical_and.reduce([s[k] == v for k, v in key.items()])]
             regime = trace_label(key["family"], key["max_active"])
             if stage == "gqa_sweep":
@@ -262,7 +262,7 @@ def t_coverage(raw: Raw) -> pd.DataFrame:
                 regime += f", attention + MLP, {key['layers']} layer(s)"
             elif stage == "external":
                 regime = f"External trace, B{key['max_active']}"
-            rows.append({"Regime": regime, "Route": modal_route(steps["route"]),
+            rows.append({"Regime": router_label(regime, router), "Route": modal_route(steps["route"]),
                          "Evidence": f"{stage}: {g['seed'].nunique()} seed(s)",
                          "Wall ratio": mean_sd(g["wall_ratio"]), "Status": status(g["wall_ratio"], steps["route"])})
     return pd.DataFrame(rows)
