@@ -443,21 +443,11 @@ cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   kernel<<<p.num_ctas, kThreads, smem, stream>>>(p);
-  cudaError_t err = cudaGetLastError();
+  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || !p.merge) return err;
   // The merge as a programmatic dependent: launched once every decode CTA has started (it
   // overlaps the decode), released by griddepcontrol.wait when the decode grid completes.
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_ctas);
-  cfg.blockDim = dim3(kMergeThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = 1;
-  err = cudaLaunchKernelEx(&cfg, graph_merge_kernel<T, D>, p);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return launch_dependent_merge(graph_merge_kernel<T, D>, dim3(p.num_ctas), dim3(kMergeThreads), stream, p);
 }
 
 template <typename T, int D, bool kFp8>

@@ -193,17 +193,7 @@ cudaError_t decode_typed(const DecodeParams& p, cudaStream_t stream) {
 
 template <typename T, int D>
 cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(p.num_rows * p.num_kv_heads);
-  cfg.blockDim = dim3(kMergeThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  const cudaError_t err = cudaLaunchKernelEx(&cfg, merge_kernel<T, D>, p);
-  return err != cudaSuccess ? err : cudaGetLastError();
+  return launch_dependent_merge(merge_kernel<T, D>, dim3(p.num_rows * p.num_kv_heads), dim3(kMergeThreads), stream, p);
 }
 
 }  // namespace

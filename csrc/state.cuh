@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "pkv_decode.h"
 #include "ptx.cuh"
@@ -102,6 +103,24 @@ __device__ void merge_states(const float* partial, int num_slots, int G, int n, 
       Mma<T>::store2(out_heads + 4 * c + 2, sum.z, sum.w);
     }
   }
+}
+
+// Launch a merge kernel as a programmatic dependent of the decode just queued on `stream`
+// (PDL): it may start while the decode runs and waits for it at griddepcontrol.wait.
+template <typename... Params, typename... Args>
+inline cudaError_t launch_dependent_merge(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                                          Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = stream;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 }  // namespace pkv
