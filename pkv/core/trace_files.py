@@ -218,15 +218,7 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
             if line.strip():
                 rows.append((f"line {n}", _json_object(path, f"line {n}", line)))
     elif suffix == ".json":
-        try:
-            doc = _json_loads(text)
-        except json.JSONDecodeError as e:
-            raise TraceFileError(f"{path}:line {e.lineno}: not valid JSON ({e.msg})") from None
-        except _DuplicateKey as e:
-            raise TraceFileError(f"{path}: key '{e.args[0]}' appears twice in one object") from None
-        except (_TooDeep, RecursionError):
-            raise TraceFileError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH} levels (pkv.core.trace_files."
-                                 "MAX_JSON_DEPTH); a request file is a list of flat objects") from None
+        doc = _parse_json(path, text)
         items = doc.get("requests") if isinstance(doc, dict) else doc
         if not isinstance(items, list):
             raise TraceFileError(f"{path}: expected a list of requests or an object with a 'requests' list")
@@ -287,16 +279,24 @@ def _depth(value, level: int = 1) -> int:
     return max((_depth(v, level + 1) for v in subs), default=level)
 
 
-def _json_object(path: Path, where: str, line: str) -> dict:
+def _parse_json(path: Path, text: str, where: str | None = None):
+    """`text` parsed, its faults one TraceFileError naming the file and `where` (a JSONL
+    line), or for a whole .json file the line the parser stopped at."""
+    at = f"{path}:{where}" if where else str(path)
     try:
-        return _as_object(path, where, _json_loads(line))
+        return _json_loads(text)
     except json.JSONDecodeError as e:
-        raise TraceFileError(f"{path}:{where}: not valid JSON ({e.msg})") from None
+        raise TraceFileError(f"{path}:{where or f'line {e.lineno}'}: not valid JSON ({e.msg})") from None
     except _DuplicateKey as e:
-        raise TraceFileError(f"{path}:{where}: key '{e.args[0]}' appears twice in one object") from None
+        raise TraceFileError(f"{at}: key '{e.args[0]}' appears twice in one object") from None
     except (_TooDeep, RecursionError):
-        raise TraceFileError(f"{path}:{where}: JSON nested deeper than {MAX_JSON_DEPTH} levels "
-                             "(pkv.core.trace_files.MAX_JSON_DEPTH); a request is a flat object") from None
+        flat = "a request is a flat object" if where else "a request file is a list of flat objects"
+        raise TraceFileError(f"{at}: JSON nested deeper than {MAX_JSON_DEPTH} levels "
+                             f"(pkv.core.trace_files.MAX_JSON_DEPTH); {flat}") from None
+
+
+def _json_object(path: Path, where: str, line: str) -> dict:
+    return _as_object(path, where, _parse_json(path, line, where))
 
 
 def _as_object(path: Path, where: str, value) -> dict:
