@@ -74,6 +74,14 @@ def measure(d: Path, command: str, *flags: str, out: Path | None = None) -> int:
                 *flags, "--out", str(out or d / "out.parquet")])
 
 
+def per_layer(s, lens, reserve, layers: int):
+    """One step of rows 2, 0, 3 at `lens` over requests reserving `reserve` tokens (page 4,
+    half the pages holes), and `layers` KV caches over its compacted page table."""
+    step = StepState(0, np.array([2, 0, 3]), np.array(lens, dtype=np.int32))
+    assignment = mp.compact(assign_pages(np.array(reserve), 4, 0.5, seed=3), [step])
+    return step, ms.layer_caches(s, assignment, "cpu", 7, layers)
+
+
 # ---------------------------------------------------------------- the stage and its config section
 
 
@@ -174,9 +182,7 @@ def test_each_layer_attends_over_its_own_kv():
     attention equals the FP32 reference over layer i's own cache, not another layer's."""
     shape = runners.MODEL_SHAPES["smoke-gqa8"]
     s = shape.attention(4, "float16")
-    step = StepState(0, np.array([2, 0, 3]), np.array([9, 30, 1], dtype=np.int32))
-    assignment = mp.compact(assign_pages(np.array([12, 31, 40, 5]), 4, 0.5, seed=3), [step])
-    caches = ms.layer_caches(s, assignment, "cpu", 7, shape.layers)
+    step, caches = per_layer(s, [9, 30, 1], [12, 31, 40, 5], shape.layers)
     model = runners.DecoderModel(shape, torch.float16, "cpu", 1)
     runner = mr.PkvGraphRunner(model, caches, {4: torch.zeros(4, shape.hidden, dtype=torch.float16)}, [4])
     runner.prepare(step, 4)
@@ -421,9 +427,7 @@ def test_one_plan_serves_every_layer_on_its_own_kv(name):
     from pkv.engines import make_engine
 
     s = runners.MODEL_SHAPES["smoke"].attention(4, "float16")
-    step = StepState(0, np.array([2, 0, 3]), np.array([30, 9, 1], dtype=np.int32))
-    assignment = mp.compact(assign_pages(np.array([12, 31, 40, 5]), 4, 0.5, seed=3), [step])
-    caches = ms.layer_caches(s, assignment, "cpu", 7, 3)
+    step, caches = per_layer(s, [30, 9, 1], [12, 31, 40, 5], 3)
     options = {"constants": cpu_constants(), "point": "p"} if name == "adaptive" else {}
     engine = make_engine(name, caches[0], **options)
     plan = engine.prepare(step)
@@ -445,9 +449,7 @@ def test_the_router_runner_plans_once_and_reads_each_layers_kv(graph):
     the runner's output equals the reference runner's over the same per-layer caches."""
     shape = runners.MODEL_SHAPES["smoke"]
     s = shape.attention(4, "float16")
-    step = StepState(0, np.array([2, 0, 3]), np.array([301, 150, 40], dtype=np.int32))
-    assignment = mp.compact(assign_pages(np.array([160, 310, 400, 50]), 4, 0.5, seed=3), [step])
-    caches = ms.layer_caches(s, assignment, "cpu", 7, shape.layers)
+    step, caches = per_layer(s, [301, 150, 40], [160, 310, 400, 50], shape.layers)
     model = runners.DecoderModel(shape, torch.float16, "cpu", 1)
     xs = {4: torch.randn(4, shape.hidden).to(torch.float16)}
     k = cpu_constants(min_context=1) if graph else cpu_constants(graph=None, min_context=1)
