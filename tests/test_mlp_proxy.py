@@ -47,7 +47,8 @@ def _setup(layers: int = LAYERS):
     trace = stages.synthetic_trace(cfg, c.family, SEED)
     shape = stages._shape(cfg)
     steps = stages.steps_of(trace, c.max_active, cfg.measure.max_steps)
-    caches = stages.build_layer_caches(cfg, trace, shape, cfg.measure.holes, SEED, steps, layers)
+    assignment = stages.layer_assignment(trace, shape, cfg.measure.holes, SEED, steps)
+    caches = stages.layer_caches(shape, assignment, "cpu", SEED, layers)
     return cfg, trace, shape, steps, caches
 
 

@@ -30,7 +30,7 @@ from pkv.config.stages import STAGES, by_command
 from pkv.config.typed import Config
 from pkv.core.harness import StepState
 from pkv.core.io import read_meta, write_parquet
-from pkv.core.paging import assign_pages, flashinfer_view
+from pkv.core.paging import assign_pages, compact, flashinfer_view
 from pkv.engines import model as runners
 from pkv.engines import table
 from pkv.engines.model_flashinfer import padded_flashinfer_view
@@ -38,6 +38,7 @@ from pkv.kernels.reference import attention_reference
 from pkv.measure import model_plan as mp
 from pkv.measure import model_runners as mr
 from pkv.measure import model_step as ms
+from pkv.measure import stages
 from pkv.report import model as rm
 from router_constants import cpu_constants
 
@@ -78,8 +79,8 @@ def per_layer(s, lens, reserve, layers: int):
     """One step of rows 2, 0, 3 at `lens` over requests reserving `reserve` tokens (page 4,
     half the pages holes), and `layers` KV caches over its compacted page table."""
     step = StepState(0, np.array([2, 0, 3]), np.array(lens, dtype=np.int32))
-    assignment = mp.compact(assign_pages(np.array(reserve), 4, 0.5, seed=3), [step])
-    return step, ms.layer_caches(s, assignment, "cpu", 7, layers)
+    assignment = compact(assign_pages(np.array(reserve), 4, 0.5, seed=3), [step])
+    return step, stages.layer_caches(s, assignment, "cpu", 7, layers)
 
 
 # ---------------------------------------------------------------- the stage and its config section
@@ -204,7 +205,7 @@ def test_compact_keeps_only_the_pages_the_steps_read():
     a = assign_pages(np.array([40, 17, 3, 64]), 16, 0.5, seed=7)
     steps = [StepState(0, np.array([0, 3]), np.array([20, 5], dtype=np.int32)),
              StepState(1, np.array([0]), np.array([33], dtype=np.int32))]
-    c = mp.compact(a, steps)
+    c = compact(a, steps)
     assert c.num_pages == 3 + 1   # request 0 reads 3 pages at its longest (33 tokens), request 3 one
     for st in steps:   # the pages each row reads are distinct, in range, and in the original physical order
         old = flashinfer_view(a, st.request_ids, st.seq_lens).indices
@@ -245,7 +246,7 @@ def test_the_paper_shapes_fit_an_h200():
         s = shape.attention(cfg.shape.page_size, cfg.shape.dtype)
         for t in traces:
             steps = [st for b in d.buckets for st in mp.spread_steps(t, b, d.steps)]
-            pages = mp.layer_assignment(t, s, cfg.measure.holes, 1, steps).num_pages
+            pages = stages.layer_assignment(t, s, cfg.measure.holes, 1, steps).num_pages
             # + one layer of FP8 during the in-place quantization
             need = _weight_bytes(shape) + mp.kv_bytes(s, pages, shape.layers) + mp.kv_bytes(s, pages, 1)
             worst[name] = max(worst.get(name, 0), need)
@@ -438,7 +439,7 @@ def test_one_plan_serves_every_layer_on_its_own_kv(name):
         out = engine.run(q, plan, c)[:step.active].float()
         torch.testing.assert_close(out, attention_reference(q[:step.active], c.values(), table, lens),
                                    atol=2e-3, rtol=2e-3)
-    other = ms.layer_caches(s, assign_pages(np.array([12, 31, 40, 5]), 4, 0.5, seed=4), "cpu", 7, 1)[0]
+    other = stages.layer_caches(s, assign_pages(np.array([12, 31, 40, 5]), 4, 0.5, seed=4), "cpu", 7, 1)[0]
     with pytest.raises(ValueError, match="share the engine's page table"):
         engine.run(q, plan, other)
 

@@ -17,7 +17,6 @@ import numpy as np
 from pkv.config.resolve import ConfigError, point_key
 from pkv.config.typed import Config, ModelStep
 from pkv.core.harness import StepState
-from pkv.core.paging import PageAssignment, assign_pages, compact
 from pkv.core.shape import Shape
 from pkv.core.traces import Trace
 from pkv.engines.model import CPU_ENGINES, GPU_ENGINES, MODEL_SHAPES, ModelShape
@@ -123,11 +122,6 @@ def adaptive_point(constants, family: str, max_active: int, fallback: str) -> st
 
 
 # ---------------------------------------------------------------- per-layer KV sizing
-
-
-def layer_assignment(trace: Trace, shape: Shape, holes: float, seed: int, steps) -> PageAssignment:
-    """The page table every layer of a (shape, trace) shares: the trace's, compacted to the measured steps."""
-    return compact(assign_pages(trace.total_len, shape.page_size, holes, seed), steps)
 
 
 def kv_bytes(shape: Shape, pages: int, layers: int) -> int:

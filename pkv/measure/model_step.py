@@ -52,9 +52,9 @@ from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.engines.model import DecoderModel, Runner, step_input
 from pkv.measure.model_plan import (Plan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps, kv_bytes,
-                                    layer_assignment, settings, spread_steps)
+                                    settings, spread_steps)
 from pkv.measure.model_runners import build_runners
-from pkv.measure.stages import external_trace, synthetic_trace
+from pkv.measure.stages import external_trace, layer_assignment, layer_caches, synthetic_trace
 from pkv.measure.timing import StepClock
 
 # Relative Frobenius error of the final hidden state against the baseline engine.
@@ -85,11 +85,6 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     a, b = out.float(), ref.float()
     d = a - b
     return float(d.norm() / b.norm().clamp_min(1e-30)), float(d.abs().max() / b.abs().max().clamp_min(1e-30))
-
-
-def layer_caches(shape, assignment, device, seed: int, layers: int) -> list[PagedCache]:
-    """One 16-bit KV tensor per layer over one page table, each from its own seed."""
-    return [PagedCache.random(shape, assignment, device, (seed << 8) + i) for i in range(layers)]
 
 
 def measure_job(plan: Plan, model: DecoderModel, caches: list[PagedCache], job: TraceJob, max_active: int,

@@ -25,7 +25,7 @@ from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.stages import external_identity
 from pkv.config.typed import Config, KvFp8
-from pkv.core.paging import assign_pages, compact
+from pkv.core.paging import PageAssignment, assign_pages, compact
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
 from pkv.core.trace_files import columns, load_trace
@@ -84,18 +84,21 @@ def steps_of(trace: Trace, max_active: int, max_steps: int) -> list[StepState]:
     return list(decode_steps(trace, max_active, max_steps))
 
 
-def build_layer_caches(cfg: Config | dict, trace: Trace, shape: Shape, holes: float, seed: int, steps, layers: int,
-                       fp8_policy: str = "tensor") -> list[PagedCache]:
-    """`layers` KV caches over ONE page table (the trace's, over the pages `steps` read), each
-    with its own random values (layer i from seed (seed << 8) + i, as the model step's).
+def layer_assignment(trace: Trace, shape: Shape, holes: float, seed: int, steps) -> PageAssignment:
+    """The page table every layer of a model shares: the trace's, compacted to the pages the
+    measured `steps` read (pkv.core.paging.compact)."""
+    return compact(assign_pages(trace.total_len, shape.page_size, holes, seed), steps)
+
+
+def layer_caches(shape: Shape, assignment: PageAssignment, device, seed: int, layers: int,
+                 fp8_policy: str = "tensor") -> list[PagedCache]:
+    """One KV tensor per layer over one page table, layer i from seed (seed << 8) + i.
 
     Memory: layers x pages x page_size x 2 (K, V) x H_kv x d x bytes. The paper's mlp_proxy
     (bimodal B8, 32 requests, 64 measured steps, fp16, H_kv 8, d 128, page 16) holds
     29k-34k pages (1.9-2.26 GB) per layer at full reservation, of which the measured steps
     read 14.5k-22.7k over the five held-out seeds: 32 layers take 30-48 GB, not 61-72 GB,
     within an H200's 141 GB with room. The stage records the bytes (metadata kv_memory)."""
-    assignment = compact(assign_pages(trace.total_len, shape.page_size, holes, seed), steps)
-    device = device_of(Config.of(cfg))
     return [PagedCache.random(shape, assignment, device, (seed << 8) + i, fp8_policy=fp8_policy) for i in range(layers)]
 
 
@@ -113,13 +116,14 @@ def _run(cfg: Config, job: Job, trace: Trace, shape: Shape, specs: list[str], k:
          reference_every: int | None = None, tail=None, fp8_policy: str = "tensor",
          graph: bool | None = None, memory: dict | None = None) -> pd.DataFrame:
     """One job's rows. `job.layers` > 1: each layer its own KV cache over one page table
-    (build_layer_caches), the engines built on layer 0's; `memory` (if given) gets the
+    (layer_caches), the engines built on layer 0's; `memory` (if given) gets the
     job's KV bytes under str(job.layers)."""
     m = cfg.measure
     holes = m.holes if holes is None else holes
     steps = steps_of(trace, job.max_active, max_steps or m.max_steps)
     if job.layers > 1:
-        caches = build_layer_caches(cfg, trace, shape, holes, job.seed, steps, job.layers, fp8_policy)
+        caches = layer_caches(shape, layer_assignment(trace, shape, holes, job.seed, steps), device_of(cfg),
+                              job.seed, job.layers, fp8_policy)
     else:
         caches = [build_cache(cfg, trace, shape, holes, job.seed, fp8_policy)]
     cache = caches[0]
@@ -281,7 +285,7 @@ def gated_mlp(shape: Shape, width: int, seed: int):
 def mlp_proxy(cfg: Config | dict, k: Constants, seed: int) -> Result:
     """Table 3: attention + gated MLP tail, the section's engines (default adaptive) and the
     baselines. `layers` > 1: each layer reads its own KV cache (same page table, its own
-    values, sized to the pages the measured steps read: build_layer_caches); one prepare()
+    values, sized to the pages the measured steps read: layer_caches); one prepare()
     a step serves every layer."""
     cfg = Config.of(cfg)
     c = cfg.mlp_proxy

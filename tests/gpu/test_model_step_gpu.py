@@ -24,6 +24,7 @@ from pkv.engines import model as runners
 from pkv.measure import model_plan as mp
 from pkv.measure import model_runners as mr
 from pkv.measure import model_step as ms
+from pkv.measure import stages
 
 pytestmark = [
     pytest.mark.gpu,
@@ -75,7 +76,7 @@ def test_the_captured_graph_reads_each_layers_kv_and_the_new_metadata():
     shape = runners.ModelShape("tiny", 4, 8 * 128, 8, 2, 128, 2048)
     s = shape.attention(16, "float16")
     a = assign_pages(np.array([700, 90, 3000, 17, 1500]), 16, 0.5, seed=5)
-    caches = ms.layer_caches(s, a, "cuda", 11, shape.layers)
+    caches = stages.layer_caches(s, a, "cuda", 11, shape.layers)
     model = runners.DecoderModel(shape, torch.float16, "cuda", 3)
     xs = {8: torch.zeros(8, shape.hidden, dtype=torch.float16, device="cuda")}
     built = mr.build_runners(["pkv-graph", "reference"], model, caches, xs, [8])
