@@ -117,7 +117,7 @@ def measure(
     if len(caches) != job.layers or caches[0] is not cache:
         raise ValueError(f"{job.layers} layer(s) need as many KV caches, the first the engines' own; got {len(caches)}")
     cuda = cache.kv.is_cuda
-    timer = Timer(cuda, graph, job.layers, tail, caches if job.layers > 1 else None)
+    timer = Timer(cuda, graph, job.layers, tail, caches)
     checked = sorted({0, len(caches) - 1})   # layer 0 and the last: each must read its own KV
     labels = list(engines)
     rows = []

@@ -134,7 +134,7 @@ def _run(cfg: Config, job: Job, trace: Trace, shape: Shape, specs: list[str], k:
     tail_fn = tail(cache) if tail else None
     return measure(job, cache, steps, engines, cfg.baselines[0], tolerance(cfg),
                    reference_every or m.reference_every, m.graph if graph is None else graph, repeats, tail_fn,
-                   caches if job.layers > 1 else None)
+                   caches)
 
 
 def _with_baselines(cfg: Config, specs) -> list[str]:
