@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pkv.cli.args import integer, seed
 from pkv.core.io import atomic_write_text, file_hash, provenance, write_parquet
-from pkv.config.jobs import check_job
+from pkv.config.jobs import check_job, flag_of
 from pkv.config.resolve import (SMOKE_BANNER, ConfigError, check_config, check_constants, config_hash, load_config,
                                 load_schema, validate_config, write_config)
 from pkv.config.stages import STAGES, by_command
@@ -44,7 +44,7 @@ def add_commands(sub) -> None:
         _common(p, many=bool(stage.many))
         for flag, kind in stage.flags:
             several = flag == stage.many
-            p.add_argument("--" + flag.replace("_", "-"), type=FLAG_TYPES[kind], required=True,
+            p.add_argument(flag_of(flag), type=FLAG_TYPES[kind], required=True,
                            nargs="+" if several else None,
                            help=f"{FLAG_HELP.get(flag, flag.replace('_', ' '))}; several: one job each, one --out each"
                            if several else FLAG_HELP.get(flag))
@@ -156,7 +156,7 @@ def jobs_of(args) -> list[argparse.Namespace]:
     _, row = by_command(args.stage)
     if not row.many:
         return [args]
-    flag = "--" + row.many.replace("_", "-")
+    flag = flag_of(row.many)
     values, outs = getattr(args, row.many), args.out
     if len(values) != len(outs):
         raise ConfigError(f"measure {args.stage}: {len(values)} {flag} value(s) and {len(outs)} --out file(s); "

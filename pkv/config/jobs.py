@@ -68,7 +68,8 @@ def stage_files(cfg: dict, stage: str) -> dict[str, dict]:
     return {file_name(stage, job): job for job in stage_jobs(cfg, stage)}
 
 
-def _flag(key: str) -> str:
+def flag_of(key: str) -> str:
+    """The command-line flag of a job identity key (max_active -> --max-active)."""
     return "--" + key.replace("_", "-")
 
 
@@ -84,9 +85,9 @@ def check_job(cfg: dict, stage: str, **given) -> None:
     for k, v in given.items():   # one flag no job has: name it alone
         values = sorted({job[k] for job in jobs if k in job})
         if v not in values:
-            raise ConfigError(f"measure {stage.replace('_', '-')}: {_flag(k)} {v} is not one of this config's "
+            raise ConfigError(f"measure {stage.replace('_', '-')}: {flag_of(k)} {v} is not one of this config's "
                               f"({', '.join(map(str, values)) or 'none'})")
-    named = " ".join(f"{_flag(k)} {v}" for k, v in given.items())
-    have = sorted({" ".join(f"{_flag(k)} {job[k]}" for k in keys if k in job) for job in jobs})
+    named = " ".join(f"{flag_of(k)} {v}" for k, v in given.items())
+    have = sorted({" ".join(f"{flag_of(k)} {job[k]}" for k in keys if k in job) for job in jobs})
     shown = "; ".join(have[:8]) + (f"; ... ({len(have)} in all)" if len(have) > 8 else "")
     raise ConfigError(f"measure {stage.replace('_', '-')} {named}: not a job of this config ({shown or 'none'})")
