@@ -25,6 +25,7 @@ from functools import cache
 from typing import Mapping, Optional
 
 from pkv.config.resolve import ConfigError
+from pkv.config.stages import external_identity
 
 
 @dataclass(frozen=True)
@@ -218,6 +219,10 @@ class External:
     title: Optional[str] = None
     columns: Optional[ExternalColumns] = None
     time_unit: Optional[str] = None
+
+    def identity(self) -> tuple[str, str]:
+        """(name, title) of the trace: its files' slug and its table's title."""
+        return external_identity({"name": self.name, "title": self.title, "path": self.path})
 
 
 @dataclass(frozen=True)

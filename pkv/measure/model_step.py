@@ -46,7 +46,6 @@ import pandas as pd
 import torch
 
 from pkv.config.resolve import device_of, point_key
-from pkv.config.stages import external_identity
 from pkv.config.typed import Config
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
@@ -242,8 +241,7 @@ def model_step_external(cfg: Config | dict, k, trace: Path):
     """`pkv measure model-step-external --trace T`: the configured request file."""
     cfg = Config.of(cfg)
     t = external_trace(cfg, trace)
-    c = cfg.external
-    name, title = external_identity({"name": c.name, "title": c.title, "path": c.path})
+    name, title = cfg.external.identity()
     frame, meta = _stage(cfg, k, [TraceJob(f"{name}-{t.name}", "external", cfg.seeds.ablation, t)],
                          f"pkv measure model-step-external --trace {Path(trace).name}")
     return frame, {**meta, "trace_name": name, "trace_title": title}

@@ -23,7 +23,6 @@ from pkv.engines.base import Engine
 from pkv.core.harness import StepState, decode_steps
 from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
-from pkv.config.stages import external_identity
 from pkv.config.typed import Config, KvFp8
 from pkv.core.paging import PageAssignment, assign_pages, compact
 from pkv.plan.schedule import SplitPolicy
@@ -313,7 +312,7 @@ def external(cfg: Config | dict, k: Constants, trace: Path) -> Result:
     op = c.operating_point
     frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(op.family, op.max_active))
     # The trace's identity travels with its file: the report titles the table from it.
-    name, title = external_identity({"name": c.name, "title": c.title, "path": c.path})
+    name, title = c.identity()
     return frame, _meta(trace, step_ms=c.step_ms, trace_name=name, trace_title=title,
                         trace_format=trace.meta["schema"])
 
