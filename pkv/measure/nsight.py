@@ -38,6 +38,8 @@ ROLES = (
     (r"flashinfer::BatchPrefillWithPagedKVCache", "FlashInfer decode (tensor cores)"),
     (r"flashinfer::.*MergeStates", "FlashInfer merge"),
     (r"flashinfer::.*Persistent", "FlashInfer persistent attention"),
+    (r"pkv::.*graph_decode_kernel", "PersistentKV graph decode (pkv-graph)"),
+    (r"pkv::.*graph_merge_kernel", "PersistentKV graph merge (pkv-graph)"),
     (r"pkv::.*decode_kernel", "PersistentKV decode"),
     (r"pkv::.*merge_kernel", "PersistentKV merge"),
 )

@@ -101,7 +101,7 @@ TABLE_SPECS = {
                             "N decoder layers, one CUDA graph per batch bucket; pkv-graph (no host plan) against "
                             "FlashInfer's CUDA-graph path (plan() on the host each step), FlashInfer eager and the "
                             "adaptive route; serial wall, device time and pipelined throughput per step.",
-                            ("model_step",), (), render="model_step_md", in_all=False),
+                            ("model_step",), (), render="model_step_md"),
     "claims": TableSpec("Paper claims against this run",
                         "Each claim of the paper (RTX 3060) as quoted, this run's number from the same rows as the "
                         "table that shows it, and a verdict computed by the rule below.",
@@ -134,7 +134,7 @@ FIGURE_SPECS = {
     "model_step": FigureSpec("Model-level decode step: median serial wall time per step (host prepare + launch + "
                              "synchronize) against the KV tokens the step reads per layer, one line per engine; one row "
                              "of panels per model shape and KV dtype, one column per batch bucket. Device times and "
-                             "ratios are in the table.", ("model_step",), render="model_step_png", in_all=False),
+                             "ratios are in the table.", ("model_step",), render="model_step_png"),
 }
 
 # Stages measured once per held-out seed: a table over them flags any seed that is missing.
