@@ -22,7 +22,7 @@ import yaml
 
 from pkv.core.io import PROVENANCE_KEYS, file_hash, read_meta
 from pkv.measure.loop import COLUMNS
-from pkv.config.resolve import SMOKE_BANNER, config_hash
+from pkv.config.resolve import SMOKE_BANNER, config_hash, effective
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
 from pkv.report.tables import targets
 from worktree import copy_worktree
@@ -32,12 +32,13 @@ def smoke_targets(root: Path) -> list[Path]:
     """The tables and figures `all` makes on the smoke profile (pkv.report.spec)."""
     specs = {**{f"{n}.md": s for n, s in TABLE_SPECS.items()}, **{f"{n}.tex": s for n, s in TABLE_SPECS.items()},
              **{f"{n}.png": s for n, s in FIGURE_SPECS.items()}}
-    return [p for p in targets(root) if in_all(specs[p.name], "smoke")]
+    return [p for p in targets(root) if in_all(specs[p.name], "smoke", SMOKE)]
 
 REPO = Path(__file__).resolve().parents[1]
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
 CONFIG = yaml.safe_load((REPO / "config.yaml").read_text())
 CALIBRATION = CONFIG["seeds"]["calibration"]
+SMOKE = effective(CONFIG, "smoke")
 HELDOUT = CONFIG["seeds"]["heldout"]
 
 
@@ -98,16 +99,17 @@ def test_paper_fan_out_on_any_machine(tree):
     jobs = _dry_run_jobs(tree, "all", "--config", "profile=paper", "run=reference")
     rules = [r for r, _, _ in jobs]
     assert rules.count("calibrate_device") == 1
-    # One serving job per (point, engine set), each over every held-out seed in one process.
+    # One serving job per engine set, over every point and held-out seed in one process.
     serve = [(w, s) for r, w, s in jobs if r == "serve_trace"]
-    points = {(p["family"], str(p["max_active"])) for p in CONFIG["serving"]}
-    assert {(w["family"], w["max_active"]) for w, _ in serve} == points
-    assert len(serve) == len(points) * len(CONFIG["engine_sets"])
+    assert {w["engine_set"] for w, _ in serve} == set(CONFIG["engine_sets"]) and len(serve) == len(CONFIG["engine_sets"])
     for _, shell in serve:
         args = shlex.split(shell.split(" > ")[0])
         values = lambda flag: list(itertools.takewhile(lambda a: not a.startswith("--"),  # noqa: E731
                                                        args[args.index(flag) + 1:]))
-        assert [int(x) for x in values("--seed")] == HELDOUT and len(values("--out")) == len(HELDOUT)
+        jobs_run = list(zip(values("--family"), map(int, values("--max-active")), map(int, values("--seed"))))
+        assert jobs_run == [(p["family"], p["max_active"], s) for p in CONFIG["serving"] for s in HELDOUT]
+        assert [Path(o).name for o in values("--out")] == [f"{f}-b{b}-s{s}-{w['engine_set']}.parquet"
+                                                           for f, b, s in jobs_run]
     # No held-out seed feeds calibration: it reads only the frozen config and runs the
     # calibration seed; every measuring job reads the frozen constants (but the kernel
     # benchmark, which routes nothing: it times fixed engines on fixed shapes).
@@ -247,12 +249,12 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
     work, args, *_ = smoke
     root = work / "results" / "smoke"
     serve = sorted((root / "raw" / "serve").glob("*.parquet"))
-    # A serving job is one (point, engine set) over every seed: group the files by it.
-    job_of = lambda p: re.sub(r"-s\d+-", "-", p.stem)  # noqa: E731
-    jobs = sorted({job_of(p) for p in serve})[:2]
-    victims = [next(p for p in serve if job_of(p) == j) for j in jobs]   # one file of each of two jobs
-    kept = [p for p in serve if job_of(p) not in jobs]
-    # The state of a run that died in two serve jobs: a file of each and everything after them missing.
+    # The serving job is one engine set over every point and seed: two of its files gone.
+    jobs = sorted({p.stem.rsplit("-", 1)[1] for p in serve})
+    victims = [serve[0], serve[-1]]
+    kept = sorted((root / "raw" / "b4_sweep").glob("*.parquet"))   # another stage's files stay as they are
+    assert len(jobs) == 1 and kept
+    # The state of a run that died in the serve job: two of its files and everything after it missing.
     for v in victims:
         v.unlink()
     for done in [*(root / "tables").iterdir(), *(root / "figures").iterdir()]:
@@ -276,10 +278,10 @@ def test_killed_run_leaves_no_complete_looking_output_and_a_rerun_resumes(smoke)
     proc.wait()
     assert not any(v.exists() for v in victims), "a killed job left its output behind"
     assert not list((root / "raw").rglob("*.tmp"))
-    # The rerun redoes only the two missing jobs and the reports.
+    # The rerun redoes only the serve job and the reports.
     dry = snakemake("all", "-n", "--rerun-incomplete", "--cores", "1", *args, cwd=work)
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, flags=re.M))
-    assert counts.get("serve_trace") == "2", dry.stdout[-3000:] + dry.stderr[-3000:]
+    assert counts.get("serve_trace") == "1", dry.stdout[-3000:] + dry.stderr[-3000:]
     measuring = {r for r in counts if not r.startswith(("report_", "plot_")) and r not in ("all", "total")}
     assert measuring == {"serve_trace"}, counts
     snakemake("--unlock", *args, cwd=work)   # the killed run's stale lock
@@ -297,9 +299,9 @@ def test_snakemake_report_embeds_every_table_and_figure_with_its_caption(smoke, 
     for path in smoke_targets(Path("results/smoke")):
         assert path.name in text, f"{path.name} is not in the report"
     for spec in TABLE_SPECS.values():
-        assert spec.title in text or not in_all(spec, "smoke"), spec.title
+        assert spec.title in text or not in_all(spec, "smoke", SMOKE), spec.title
     for spec in FIGURE_SPECS.values():
-        assert spec.caption.split(",")[0] in text or not in_all(spec, "smoke"), spec.caption
+        assert spec.caption.split(",")[0] in text or not in_all(spec, "smoke", SMOKE), spec.caption
 
 
 @pytest.mark.slow

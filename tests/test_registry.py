@@ -11,7 +11,6 @@ from pkv.bench import splits as bench
 from pkv.plan import costmodel
 from pkv.core.cache import PagedCache
 from pkv.engines import make_engine, table
-from pkv.engines.model import CPU_ENGINES, GPU_ENGINES
 from pkv.engines.persistent import kernel_launches
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy, slot_bytes, slot_floats, workqueue_row_splits, workqueue_schedule
@@ -32,12 +31,8 @@ def _config_engines(node) -> set[str]:
 
 def test_every_configured_engine_is_registered():
     cfg = yaml.safe_load(open("config.yaml"))
-    # The model step's engines are its runners (pkv.engines.model), not rows of the engine table.
-    steps = [cfg.pop("model_step", {}), cfg["smoke"].pop("model_step", {})]
     names = _config_engines(cfg)
     assert names and names <= set(table.ENGINES), names - set(table.ENGINES)
-    runners = {e for s in steps for e in s.get("engines", ())}
-    assert runners <= set(GPU_ENGINES) | set(CPU_ENGINES), runners
 
 
 def test_lists_derive_from_the_table():

@@ -25,7 +25,8 @@ class TableSpec:
     required: bool = True          # False: written (saying so) when the stage has no Parquet
     render: str = ""               # a pkv.report.artifacts function (root -> bytes) instead of a frame builder
     profiles: tuple[str, ...] = ("paper", "smoke")   # the profiles that measure its stages
-    in_all: bool = True            # part of `snakemake all` (False: a named target only)
+    in_all: bool | str = True      # part of `snakemake all`; False: a named target only; a config
+                                   # section's name: in `all` when the run's config has that section
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class FigureSpec:
     required: bool = True
     render: str = ""
     profiles: tuple[str, ...] = ("paper", "smoke")
-    in_all: bool = True
+    in_all: bool | str = True
 
 
 TABLE_SPECS = {
@@ -101,7 +102,7 @@ TABLE_SPECS = {
                             "N decoder layers, one CUDA graph per batch bucket; pkv-graph (no host plan) against "
                             "FlashInfer's CUDA-graph path (plan() on the host each step), FlashInfer eager and the "
                             "adaptive route; serial wall, device time and pipelined throughput per step.",
-                            ("model_step",), (), render="model_step_md"),
+                            ("model_step",), (), render="model_step_md", in_all="model_step"),
     "claims": TableSpec("Paper claims against this run",
                         "Each claim of the paper (RTX 3060) as quoted, this run's number from the same rows as the "
                         "table that shows it, and a verdict computed by the rule below.",
@@ -134,13 +135,16 @@ FIGURE_SPECS = {
     "model_step": FigureSpec("Model-level decode step: median serial wall time per step (host prepare + launch + "
                              "synchronize) against the KV tokens the step reads per layer, one line per engine; one row "
                              "of panels per model shape and KV dtype, one column per batch bucket. Device times and "
-                             "ratios are in the table.", ("model_step",), render="model_step_png"),
+                             "ratios are in the table.", ("model_step",), render="model_step_png", in_all="model_step"),
 }
 
 # Stages measured once per held-out seed: a table over them flags any seed that is missing.
 PER_SEED_STAGES = ("serve", "b4_sweep", "mlp_proxy")
 
 
-def in_all(spec: TableSpec | FigureSpec, profile: str) -> bool:
-    """Whether `snakemake all` of `profile` makes this table or figure."""
+def in_all(spec: TableSpec | FigureSpec, profile: str, config: dict | None = None) -> bool:
+    """Whether `snakemake all` of `profile` (its resolved `config`) makes this table or figure.
+    An optional stage's (the model step's) is in `all` when the config has its section."""
+    if isinstance(spec.in_all, str):
+        return profile in spec.profiles and config is not None and config.get(spec.in_all) is not None
     return spec.in_all and profile in spec.profiles

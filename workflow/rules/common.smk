@@ -40,7 +40,9 @@ ROOT = run_root(PROFILE, config["run"], GPU)
 # (a fresh clone's are checkout times), and never re-made from a different config.
 REFERENCE = ROOT == REFERENCE_ROOT
 HELDOUT = [str(s) for s in C["seeds"]["heldout"]]
-# The values a stage's one process runs through (pkv.config.stages: `many`).
+# The values a stage's one process runs through (pkv.config.stages: `many`); the serving
+# stage's jobs are (family, max_active, seed), every point over every held-out seed.
+SERVE_JOBS = [(p["family"], str(p["max_active"]), s) for p in C["serving"] for s in HELDOUT]
 GQA_GROUPS = [str(g) for g in C["ablations"]["gqa_sweep"]["groups"]]
 ISOLATED_CONTEXTS = [str(c) for c in C["isolated"]["contexts"]]
 ABLATION_SEED = str(C["seeds"]["ablation"])
@@ -162,8 +164,8 @@ def final_outputs():
     """Every table and figure of this profile that is part of `all` (pkv.report.spec), the
     Nsight capture when enabled, and for a paper run of your own, its comparison with the
     reference run."""
-    tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if in_all(t, PROFILE)]
-    tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE)]
-    figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE)]
+    tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if in_all(t, PROFILE, C)]
+    tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE, C)]
+    figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
     return tables + figures + stage_outputs("nsight_kernels") + comparison
