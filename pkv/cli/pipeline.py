@@ -43,7 +43,7 @@ def add_commands(sub) -> None:
         p = msub.add_parser(stage.command, help=stage.help)
         _common(p, many=bool(stage.many))
         for flag, kind in stage.flags:
-            several = flag == stage.many
+            several = flag in stage.many
             p.add_argument(flag_of(flag), type=FLAG_TYPES[kind], required=True,
                            nargs="+" if several else None,
                            help=f"{FLAG_HELP.get(flag, flag.replace('_', ' '))}; several: one job each, one --out each"
@@ -151,21 +151,29 @@ def check_device(cfg: dict) -> None:
 
 
 def jobs_of(args) -> list[argparse.Namespace]:
-    """One namespace per job the command names: a `many` flag's values paired with the --out
-    files in order (refused unless one each, none repeated)."""
+    """One namespace per job the command names: the --out files in order, each many flag's
+    values paired with them (a flag given once holds for every job); refused unless one
+    value or one per --out, and unless every job and every file is named once."""
     _, row = by_command(args.stage)
     if not row.many:
         return [args]
-    flag = flag_of(row.many)
-    values, outs = getattr(args, row.many), args.out
-    if len(values) != len(outs):
-        raise ConfigError(f"measure {args.stage}: {len(values)} {flag} value(s) and {len(outs)} --out file(s); "
-                          f"give one --out per {flag} value, in the same order")
-    for name, items in ((flag, values), ("--out", [str(Path(o).resolve()) for o in outs])):
+    outs = args.out
+    columns = {}
+    for name in row.many:
+        values = getattr(args, name)
+        if len(values) not in (1, len(outs)):
+            raise ConfigError(f"measure {args.stage}: {len(values)} {flag_of(name)} value(s) and {len(outs)} --out "
+                              f"file(s); give one --out per {flag_of(name)} value, in the same order")
+        columns[name] = values * len(outs) if len(values) == 1 else values
+    varying = [n for n in row.many if len(getattr(args, n)) > 1] or list(row.many)
+    jobs = ["/".join(str(columns[n][i]) for n in varying) for i in range(len(outs))]
+    for name, items in (("/".join(flag_of(n) for n in varying), jobs),
+                        ("--out", [str(Path(o).resolve()) for o in outs])):
         repeated = sorted({str(v) for v in items if items.count(v) > 1})
         if repeated:
             raise ConfigError(f"measure {args.stage}: {name} names {', '.join(repeated)} more than once")
-    return [argparse.Namespace(**{**vars(args), row.many: v, "out": o}) for v, o in zip(values, outs)]
+    return [argparse.Namespace(**{**vars(args), **{n: columns[n][i] for n in row.many}, "out": o})
+            for i, o in enumerate(outs)]
 
 
 def measure_cmd(args) -> int:

@@ -33,32 +33,34 @@ class Stage:
     module: str = "pkv.measure.stages"
     raw: bool = True       # its files are a raw stage the report reads (False: parsed into another first)
     folder: str = ""       # raw/<folder>/ where several commands write one folder (default: the stage's name)
-    # The flag one process may take several values of (`--seed S1 S2 ... --out F1 F2 ...`,
-    # one file per value, each the job its flags name): a stage's rule runs all its seeds
-    # (contexts, groups) in one process, paying start-up, CUDA init and kernel loads once.
-    many: str = ""
+    # The flags one process may take several values of (`--seed S1 S2 ... --out F1 F2 ...`:
+    # one file per job, each the job its flags name; a many flag given once holds for every
+    # job): a stage's rule runs all its points and seeds (contexts, groups) in one process,
+    # paying start-up, CUDA init and kernel loads once.
+    many: tuple[str, ...] = ()
 
 
 STAGES: dict[str, Stage] = {
-    "serve": Stage("serve", "Table 2: one held-out trace x engine set", "serve",
+    "serve": Stage("serve", "Table 2: held-out traces of serving points x one engine set", "serve",
                    "{family}-b{max_active}-s{seed}-{engine_set}.parquet",
-                   (*_POINT, ("seed", "seed"), ("engine_set", "text")), many="seed"),
+                   (*_POINT, ("seed", "seed"), ("engine_set", "text")),
+                   many=("family", "max_active", "seed")),
     "isolated": Stage("isolated", "Table 1: one request of CONTEXT tokens, 50%% holes", "isolated", "ctx{context}.parquet",
-                      (("context", "positive"),), many="context"),
+                      (("context", "positive"),), many=("context",)),
     "split_sensitivity": Stage("split-sensitivity", "Table 7: the policy at the frozen split and its neighbours",
                                "split_sensitivity", "{family}-b{max_active}.parquet", _POINT),
     "b4_sweep": Stage("b4-sweep", "PersistentKV workqueue on B4 over a split grid", "b4_sweep", "s{seed}.parquet",
-                      (("seed", "seed"),), many="seed"),
+                      (("seed", "seed"),), many=("seed",)),
     "gqa_sweep": Stage("gqa-sweep", "Table 8: one GQA group size G", "gqa_sweep", "g{group}.parquet",
-                       (("group", "positive"),), many="group"),
+                       (("group", "positive"),), many=("group",)),
     "raggedness": Stage("raggedness", "the raggedness ablation on one seed", "ablation", "s{seed}.parquet",
                         (("seed", "seed"),), (("name", "raggedness"),)),
     "implementation": Stage("implementation", "the implementation ablation on one seed", "ablation", "s{seed}.parquet",
                             (("seed", "seed"),), (("name", "implementation"),)),
     "kv_fp8": Stage("kv-fp8", "the FP8 KV ablation (16-bit and e4m3 cache, same trace) on one seed", "kv_fp8",
-                    "s{seed}.parquet", (("seed", "seed"),), many="seed"),
+                    "s{seed}.parquet", (("seed", "seed"),), many=("seed",)),
     "mlp_proxy": Stage("mlp-proxy", "Table 3: attention + gated MLP tail on one seed", "mlp_proxy", "s{seed}.parquet",
-                       (("seed", "seed"),), many="seed"),
+                       (("seed", "seed"),), many=("seed",)),
     "external": Stage("external", "the external request trace named in the config", "external", "{name}.parquet",
                       (("trace", "path"),)),
     # The model step (pkv.measure.model_step): outside the job grid of `all` (its rules are
@@ -66,7 +68,7 @@ STAGES: dict[str, Stage] = {
     # external trace's file is named like the external stage's (external_identity).
     "model_step": Stage("model-step", "model-level decode step: N layers, per-layer KV, one CUDA graph per bucket, "
                         "one held-out seed", "model_step", "s{seed}.parquet", (("seed", "seed"),),
-                        module="pkv.measure.model_step", raw=False, folder="model_step", many="seed"),
+                        module="pkv.measure.model_step", raw=False, folder="model_step", many=("seed",)),
     "model_step_external": Stage("model-step-external", "the model-level decode step on the external request trace",
                                  "model_step_external", "{name}.parquet", (("trace", "path"),),
                                  module="pkv.measure.model_step", raw=False, folder="model_step"),
