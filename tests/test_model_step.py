@@ -461,3 +461,20 @@ def test_the_router_runner_plans_once_and_reads_each_layers_kv(graph):
         outs[name] = runner.launch(step, 4).float()
     assert got["adaptive"].route.startswith("pkv-graph" if graph else "pkv-")
     torch.testing.assert_close(outs["adaptive"], outs["reference"], atol=2e-2, rtol=2e-2)
+
+
+def test_the_fp8_pass_runs_the_engines_that_read_fp8_and_names_the_others(monkeypatch):
+    """adaptive reads no FP8 cache (its v3 routes read 16-bit KV): the FP8 pass measures the
+    other engines and names adaptive in `dropped`, instead of losing the whole FP8 pass."""
+    monkeypatch.setattr(mp, "CPU_ENGINES", ("pkv-graph", "reference", "adaptive"))
+    cfg = smoke_cfg(buckets=[2], steps=1, shapes=["smoke"], kv_dtypes=["auto", "fp8"],
+                    engines=["pkv-graph", "reference", "adaptive"])
+    jobs = [mp.TraceJob(t.name, "bimodal", SEED, t) for t in (ms.synthetic_trace(cfg, "bimodal", SEED),)]
+    plan = mp.build_plan(cfg, jobs, constants=cpu_constants(min_context=1, operating_points={
+        "bimodal-b8": {"bucket": 4, "workqueue": 4}}))
+    dropped = {}
+    frame = ms.run(plan, log=lambda m: None, dropped=dropped)
+    by_dtype = frame.groupby("kv_dtype")["engine"].apply(set).to_dict()
+    assert by_dtype["auto"] == {"pkv-graph", "reference", "adaptive"}
+    assert by_dtype["fp8"] == {"pkv-graph", "reference"}
+    assert list(dropped) == ["adaptive/fp8"] and "16-bit" in dropped["adaptive/fp8"]

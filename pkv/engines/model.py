@@ -30,6 +30,9 @@ from pkv.core.shape import Shape
 RMS_EPS = 1e-5
 GPU_ENGINES = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive")   # flashinfer-eager: the baseline
 CPU_ENGINES = ("pkv-graph", "reference")
+# The runners that read an FP8 cache; `adaptive` does not (its v3 routes read 16-bit KV only),
+# so the model step's FP8 pass runs without it and says so.
+FP8_RUNNERS = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "reference")
 
 
 @dataclass(frozen=True)

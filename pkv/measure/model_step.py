@@ -49,7 +49,7 @@ from pkv.config.resolve import device_of, point_key
 from pkv.config.typed import Config
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
-from pkv.engines.model import DecoderModel, Runner, step_input
+from pkv.engines.model import FP8_RUNNERS, DecoderModel, Runner, step_input
 from pkv.measure.model_plan import (Plan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps, kv_bytes,
                                     settings, spread_steps)
 from pkv.measure.model_runners import build_runners
@@ -201,22 +201,26 @@ def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, clock: StepCloc
     fallback = point_key(op.family, op.max_active)
     refs: dict = {}
     for kv_dtype in plan.kv_dtypes:
+        engines = list(plan.engines)
         if kv_dtype == "fp8":
             for i, c in enumerate(caches):   # in place: one 16-bit layer more at the peak, not N
                 caches[i] = c.quantized("tensor")
+            engines = [e for e in engines if e in FP8_RUNNERS]
+            for e in sorted(set(plan.engines) - set(engines)):
+                dropped.setdefault(f"{e}/fp8", "reads no FP8 KV cache (its routes read 16-bit KV): not in the FP8 rows")
         tag = "" if kv_dtype == "auto" else f"/{kv_dtype}"
-        shared = build_runners([e for e in plan.engines if e != "adaptive"], model, caches, xs, sorted(first))
+        shared = build_runners([e for e in engines if e != "adaptive"], model, caches, xs, sorted(first))
         try:
             _warm(shared, first, dropped, log, tag)
             for b in plan.buckets:
                 runners = dict(shared)
-                if "adaptive" in plan.engines:
+                if "adaptive" in engines:
                     point = adaptive_point(plan.constants, job.family, b, fallback)
                     adaptive = build_runners(["adaptive"], model, caches, xs, sorted(first), constants=plan.constants,
                                              point=point)
                     _warm(adaptive, first_steps([step_sets[b]], plan.buckets), dropped, log, tag)
                     runners.update(adaptive)
-                runners = {e: runners[e] for e in plan.engines if e in runners}
+                runners = {e: runners[e] for e in engines if e in runners}
                 t0 = time.monotonic()
                 rows += measure_job(plan, model, caches, job, b, step_sets[b], runners, xs, clock, refs)
                 log(f"model_step {ms.name} {job.name} {kv_dtype} B{b}: {len(step_sets[b])} steps x {len(runners)} "
