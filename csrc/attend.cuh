@@ -208,8 +208,10 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
 
   // The prologue's page ids in one round of loads, then its copies.
   typename KvPipe<D, false>::Pages pro[C::kStages - 1];
+  PKV_STAMP(a.trace, 14);  // the piece is set up: its page ids are requested now
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
+  PKV_STAMP_AFTER(a.trace, 15, pro[0].id[0]);  // the block-table round trip
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
   PKV_STAMP(a.trace, 4);  // the block-table round trip is behind us (the copies used its ids)

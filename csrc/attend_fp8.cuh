@@ -78,8 +78,10 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
     for (int e = 0; e < 2; ++e) m_run[hb][e] = -INFINITY, l_run[hb][e] = 0.f;
 
   typename KvPipe<D, true>::Pages pro[C::kStages - 1];  // the prologue's page ids in one round
+  PKV_STAMP(a.trace, 14);  // the piece is set up: its page ids are requested now
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
+  PKV_STAMP_AFTER(a.trace, 15, pro[0].id[0]);  // the block-table round trip
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
   PKV_STAMP(a.trace, 4);

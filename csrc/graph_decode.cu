@@ -65,7 +65,7 @@ __device__ __forceinline__ void scan_rows(const int (&len)[kPer], int (&inc)[kPe
 // shared memory. Returns total tiles and, in *nonzero, the rows of length > 0.
 template <int kThreadsT>
 __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc, int* s_len, int* s_req, int* s_warp,
-                                         int* s_nzw, int* nonzero) {
+                                         int* s_nzw, int* nonzero, unsigned long long* rec) {
   constexpr int kPer = kGraphMaxRows / kThreadsT;
   const int tid = threadIdx.x, R = p.num_rows;
   int len[kPer], req[kPer], inc[kPer];
@@ -75,6 +75,8 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
     len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
     req[i] = r < R ? __ldg(p.req_ids + r) : 0;
   }
+  PKV_STAMP_AFTER(rec, 13, len[0] + req[0]);  // the lengths' round trip
+  (void)rec;
   int before, total;
   scan_rows<kThreadsT>(len, inc, s_warp, s_nzw, &before, &total, nonzero);
 #pragma unroll
@@ -143,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
 
   // 1. The step's work: tiles per row, scanned.
   int nonzero;
-  const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero);
+  const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero, rec);
   PKV_STAMP(rec, 2);
 
   // 2. This CTA's range of work units (unit = one tile of one KV head; segment (r, h)

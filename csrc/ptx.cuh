@@ -30,9 +30,22 @@ __device__ __forceinline__ unsigned long long clock_now() {
   do {                                                                             \
     if ((rec) != nullptr && threadIdx.x == 0) (rec)[i] = ::pkv::clock_now();       \
   } while (0)
+// Stamps field i once the value v has arrived (a dependent instruction waits for its load):
+// the round trip of a load, not only its issue.
+#define PKV_STAMP_AFTER(rec, i, v)                                                 \
+  do {                                                                             \
+    if ((rec) != nullptr && threadIdx.x == 0) {                                    \
+      unsigned pkv_v_ = static_cast<unsigned>(v);                                  \
+      asm volatile("mov.b32 %0, %0;\n" : "+r"(pkv_v_)::"memory");                  \
+      (rec)[i] = ::pkv::clock_now();                                               \
+    }                                                                              \
+  } while (0)
 #else
 #define PKV_STAMP(rec, i) \
   do {                    \
+  } while (0)
+#define PKV_STAMP_AFTER(rec, i, v) \
+  do {                             \
   } while (0)
 #endif
 

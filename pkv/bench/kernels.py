@@ -134,7 +134,8 @@ def with_ratios(frame):
 
 # Fields of a PKV_TRACE record (csrc/graph_decode.h): clock64 stamps unless named gt_ (%globaltimer, ns).
 DECODE_FIELDS = {0: "gt_start", 1: "start", 2: "scan", 3: "cut", 4: "pages", 5: "first_kv", 6: "loop_end",
-                 7: "state", 8: "end", 9: "gt_end", 10: "flags", 11: "first_tokens", 12: "smid"}
+                 7: "state", 8: "end", 9: "gt_end", 10: "flags", 11: "first_tokens", 12: "smid",
+                 13: "lengths_in", 14: "piece_ready", 15: "bt_in"}
 MERGE_FIELDS = {0: "gt_start", 1: "start", 2: "scan", 3: "wait", 4: "end", 9: "gt_end", 10: "flags"}
 TRACE_CTAS, TRACE_FIELDS = 1024, 16   # kTraceCtas, kTraceFields
 
@@ -158,8 +159,13 @@ def trace_phases(rec, clock_ghz: float) -> dict:
     ticks = (a[:, 8] - a[:, 1]).astype(float)
     out["clock_ghz_measured"] = float(np.median(ticks / np.maximum(a[:, 9] - a[:, 0], 1)))  # clocks per ns
     us = 1e-3 / (clock_ghz if clock_ghz > 0 else out["clock_ghz_measured"])   # µs per clock
+    # The finer stamps (13-15: the lengths' and the block table's round trips, the piece's
+    # set-up) split scan and bt; a build without them leaves those fields 0.
     for name, (i0, i1) in {"scan": (1, 2), "cut": (2, 3), "bt": (3, 4), "first_kv": (4, 5), "steady": (5, 6),
-                           "drain_state": (6, 7), "v4_merge": (7, 8)}.items():
+                           "drain_state": (6, 7), "v4_merge": (7, 8), "lengths_rt": (1, 13),
+                           "scan_math": (13, 2), "setup": (3, 14), "bt_rt": (14, 15), "issue": (15, 4)}.items():
+        if not ((a[:, i0] > 0) & (a[:, i1] > 0)).all():
+            continue
         d = (a[:, i1] - a[:, i0]) * us
         out[name] = float(np.median(d))
         out[name + "_max"] = float(d.max())
@@ -243,7 +249,8 @@ def run_trace(args, cases, engines, command: str) -> int:
             summary.append(row)
             print(f"{case.name:10s} {label:28s} " + " ".join(
                 f"{k}={row[k]:.2f}" for k in ("graph_us_trace_build", "span", "decode_span", "start_skew", "scan",
-                                               "cut", "bt", "first_kv", "steady", "drain_state", "v4_merge",
+                                               "lengths_rt", "scan_math", "cut", "bt", "setup", "bt_rt", "issue",
+                                               "first_kv", "steady", "drain_state", "v4_merge",
                                                "merge_release_after_decode", "merge_work", "merge_end", "clock_ghz_measured")
                 if k in row),
                   flush=True)
