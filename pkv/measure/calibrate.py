@@ -33,7 +33,7 @@ import torch
 from itertools import combinations
 
 from pkv.engines.table import pkv_engines, pkv_routes
-from pkv.plan.costmodel import GraphFit, Constants, RouteCost, estimate
+from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, estimate
 from pkv.measure.loop import Job, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
@@ -108,8 +108,10 @@ def sweep(cfg: Config | dict, provisional: Constants) -> pd.DataFrame:
         for split, specs in runs:
             engines = build_engines(specs, cache, provisional, point, split or None)
             job = Job("calibrate", trace.name, p.family, p.max_active, seed, shape.group, split)
+            # The split-0 run also replays each step's CUDA graph (where the config times
+            # graphs): the device time the baselines' and pkv-graph's fits are made on.
             frames.append(measure(job, cache, steps, engines, t.baselines[0], tolerance(t),
-                                  t.measure.reference_every, graph=False))
+                                  t.measure.reference_every, graph=t.measure.graph and split == 0))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -135,6 +137,26 @@ def operating_points(frame: pd.DataFrame) -> dict:
 def _measured(rows: pd.DataFrame) -> np.ndarray:
     """Device time per step: CUDA events, wall time where none were timed (the CPU)."""
     return rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
+
+
+def _replayed(rows: pd.DataFrame) -> pd.DataFrame:
+    """The rows with a CUDA-graph replay time where there are any, else all of them. Events
+    around run() also hold the host's launch of it: for FlashInfer's Python run() that was
+    ~80-110 us at B1 on the H200 (CUDA events 134 us, graph replay 35 us)."""
+    graphed = rows[rows["graph_s"].notna()] if "graph_s" in rows else rows.iloc[:0]
+    return graphed if len(graphed) else rows
+
+
+def _device(rows: pd.DataFrame) -> np.ndarray:
+    """Device time per step: graph replay, else CUDA events, else wall time (the CPU)."""
+    t = rows["graph_s"] if "graph_s" in rows else pd.Series(np.nan, index=rows.index)
+    return t.where(t.notna(), rows["cuda_s"]).where(lambda x: x.notna(), rows["wall_s"]).to_numpy()
+
+
+def _relative_fit(features: np.ndarray, measured: np.ndarray) -> tuple[np.ndarray, float]:
+    """Non-negative coefficients minimizing the squared relative error, and its rms log error."""
+    x = nonnegative_lstsq(features / measured[:, None], np.ones(len(measured)))
+    return x, float(np.sqrt(np.mean(np.log((features @ x) / measured) ** 2)))
 
 
 FIT_C_MIN = tuple(round(0.25 + 0.05 * i, 2) for i in range(76))      # 0.25 .. 4.0 CTAs per SM
@@ -204,27 +226,43 @@ def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES) -> dict | N
     coefficients of T = fixed + KV bytes * a + merge bytes * b, non-negative, minimizing
     the squared relative error against the measured device time. The grid (num_ctas) is
     the rows' own: CTAs with work + CTAs without."""
-    rows = frame[(frame["engine"] == "pkv-graph") & frame["decode_ctas"].notna()]
+    rows = _replayed(frame[(frame["engine"] == "pkv-graph") & frame["decode_ctas"].notna()])
     if rows.empty:
         return None
     grids = (rows["decode_ctas"] + rows["empty_ctas"]).unique()
     if len(grids) != 1:
         raise ValueError(f"pkv-graph rows of the sweep ran on several grids: {sorted(grids)}")
-    measured = _measured(rows)
     features = np.column_stack([np.ones(len(rows)), rows["useful_kv_bytes"].to_numpy(), rows["merge_bytes"].to_numpy()])
-    x = nonnegative_lstsq(features / measured[:, None], np.ones(len(rows)))
+    x, err = _relative_fit(features, _device(rows))
     fit = GraphFit(float(x[0]), float(x[1]), float(x[2]), int(grids[0]), int(min_tiles))
-    err = np.log((features @ x) / measured)
-    return {**{key: getattr(fit, key) for key in GraphFit.KEYS}, "rows": int(len(rows)),
-            "rms_log_err": float(np.sqrt(np.mean(err ** 2)))}
+    return {**{key: getattr(fit, key) for key in GraphFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
+
+
+def fit_baseline(frame: pd.DataFrame, baseline: str, kv_bytes_per_token: int) -> dict | None:
+    """A FlashInfer route's BaselineFit from its rows of the sweep (the graph-replayed ones
+    where there are any), or None without rows: T = fixed + KV bytes * a + rows * b,
+    non-negative, minimizing the squared relative error against the device time."""
+    rows = _replayed(frame[frame["engine"] == baseline])
+    if rows.empty:
+        return None
+    features = np.column_stack([np.ones(len(rows)), rows["total_tokens"].to_numpy(dtype=float) * kv_bytes_per_token,
+                                rows["active"].to_numpy(dtype=float)])
+    x, err = _relative_fit(features, _device(rows))
+    fit = BaselineFit(*map(float, x))
+    return {**{key: getattr(fit, key) for key in BaselineFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
 
 
 def fit_host_s(frame: pd.DataFrame) -> dict:
     """Route -> median seconds per step the host spends outside the device span; empty
-    where nothing was timed with CUDA events (the CPU smoke profile)."""
-    timed = frame[frame["cuda_s"].notna()]
-    host = (timed["wall_s"] - timed["cuda_s"]).clip(lower=0.0)
-    return {engine.removeprefix("pkv-"): float(h.median()) for engine, h in host.groupby(timed["engine"], sort=True)}
+    where nothing was timed with CUDA events (the CPU smoke profile). The span is the one
+    the route's device fit is made on: graph replay for a route with replayed rows (the
+    baselines, pkv-graph), else CUDA events, so device + H_r is the step's wall time."""
+    out = {}
+    for engine, rows in frame[frame["cuda_s"].notna()].groupby("engine", sort=True):
+        rows = _replayed(rows)
+        span = rows["graph_s"] if "graph_s" in rows and rows["graph_s"].notna().all() else rows["cuda_s"]
+        out[engine.removeprefix("pkv-")] = float((rows["wall_s"] - span).clip(lower=0.0).median())
+    return out
 
 
 def fit_host_s_by_point(frame: pd.DataFrame) -> dict:
@@ -255,6 +293,10 @@ def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv
     graph = fit_graph(frame)
     if graph is not None:
         out["graph"] = graph
+        # Router v4.1: the baselines' own device fits (with pkv-graph's: constants without it
+        # were calibrated before Router v4 and keep the roofline for every route).
+        fits = {b: fit_baseline(frame, b, kv_bytes_per_token) for b in baselines}
+        out["baseline_fit"] = {b: f for b, f in fits.items() if f is not None}
     return out
 
 

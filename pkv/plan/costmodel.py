@@ -26,6 +26,13 @@ at calibration (`GraphFit`); its host time H_graph is its prepare() (one metadat
 fitted like every other H_r. Constants without a GraphFit (every run calibrated before
 Router v4) do not offer pkv-graph and route exactly as before.
 
+A FlashInfer route with a `BaselineFit` in the constants (calibrated since Router v4.1) is
+costed by it instead of the roofline: T = fixed_s + KVBytes * s_per_kv_byte + rows * s_per_row,
+fitted per variant on its device time. The roofline's one free parameter (CTAs per head)
+cannot tell FlashInfer's CUDA-core decode from its tensor-core one, and it put both under
+pkv-graph's fit at B4-B8, so the overlapped router took the slower variant (the H200 probe at
+edc9451: device ratio 0.79-0.87 of the faster FlashInfer at homogeneous and bimodal B4/B8).
+
 The objective says what a step costs: `serial` (device + H_r: the paper's synchronized
 loop, the default) or `overlapped` (device time only: a scheduler that hides host work
 behind the GPU).
@@ -80,6 +87,29 @@ class GraphFit:
 
 
 @dataclass(frozen=True)
+class BaselineFit:
+    """A FlashInfer route's fitted device time: fixed + bytes streamed + a per-row term
+    (its planner's work units and merge grow with the rows)."""
+
+    fixed_s: float
+    s_per_kv_byte: float
+    s_per_row: float
+
+    KEYS = ("fixed_s", "s_per_kv_byte", "s_per_row")
+
+    def __post_init__(self) -> None:
+        if min(self.fixed_s, self.s_per_kv_byte, self.s_per_row) < 0:
+            raise ValueError(f"baseline fit out of range: {self}")
+
+    def device_s(self, cost: "RouteCost") -> float:
+        return self.fixed_s + cost.kv_bytes * self.s_per_kv_byte + cost.rows * self.s_per_row
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BaselineFit":
+        return cls(*(float(d[key]) for key in cls.KEYS))
+
+
+@dataclass(frozen=True)
 class Constants:
     device: str
     beta: float                      # streaming bandwidth, bytes/s
@@ -94,6 +124,7 @@ class Constants:
     operating_points: dict = field(default_factory=dict)   # "family-bN" -> {"bucket": S, "workqueue": S}
     host_s: dict = field(default_factory=dict)             # route -> H_r, seconds per step
     graph: GraphFit | None = None                          # pkv-graph's device fit; None: not offered
+    baseline_fit: dict = field(default_factory=dict)       # FlashInfer route -> BaselineFit; absent: roofline
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
@@ -135,6 +166,7 @@ class Constants:
             min_tiles_per_split=int(d["min_tiles_per_split"]), operating_points=d.get("operating_points", {}),
             host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
             graph=GraphFit.from_dict(d["graph"]) if d.get("graph") else None,
+            baseline_fit={r: BaselineFit.from_dict(v) for r, v in d.get("baseline_fit", {}).items()},
         )
 
     @classmethod
@@ -151,6 +183,7 @@ class RouteCost:
     ctas: float
     launches: int
     merge_bytes: float
+    rows: int = 0          # the step's rows (a BaselineFit's per-row term)
 
 
 def check_objective(objective: str) -> str:
@@ -165,6 +198,8 @@ def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
         if k.graph is None:
             raise ValueError("these constants have no pkv-graph fit (calibrated before Router v4)")
         device = k.graph.device_s(cost)
+    elif cost.route in k.baseline_fit:
+        device = k.baseline_fit[cost.route].device_s(cost)
     else:
         occupancy = cost.ctas / k.sm_count
         stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
@@ -187,7 +222,7 @@ def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost
     """A FlashInfer-like single-launch route reading every useful KV byte once."""
     lens = _lengths(seq_lens)
     ctas = len(lens) * shape.num_kv_heads * k.baseline_ctas_per_head[route]
-    return RouteCost(route, float(sum(lens) * shape.kv_bytes_per_token), ctas, 1, 0.0)
+    return RouteCost(route, float(sum(lens) * shape.kv_bytes_per_token), ctas, 1, 0.0, len(lens))
 
 
 def bucket_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
@@ -354,7 +389,7 @@ class Router:
             lens = None
             total = int(seq_lens.sum(dtype=np.int64))
         kv_bytes = float(total * self.kvb)
-        base = [RouteCost(b, kv_bytes, active * self.h * self.base_cta[b], 1, 0.0) for b in self.baselines]
+        base = [RouteCost(b, kv_bytes, active * self.h * self.base_cta[b], 1, 0.0, active) for b in self.baselines]
         cands = []
         if gate:
             if small:

@@ -166,7 +166,7 @@ def estimates(frame: pd.DataFrame, k: Constants, kv_bytes_per_token: int, num_kv
                              float(r.merge_bytes))
         else:
             cost = RouteCost(r.engine, float(r.total_tokens * kv_bytes_per_token),
-                             r.active * num_kv_heads * k.baseline_ctas_per_head[r.engine], 1, 0.0)
+                             r.active * num_kv_heads * k.baseline_ctas_per_head[r.engine], 1, 0.0, int(r.active))
         est.append(estimate(cost, kp))
     out = rows[["stage", "engine", "family", "max_active", "seed", "step", "wall_s", "cuda_s"]].copy()
     out["estimate_s"] = est
