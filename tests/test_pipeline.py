@@ -22,6 +22,7 @@ import yaml
 
 from pkv.core.io import PROVENANCE_KEYS, file_hash, read_meta
 from pkv.measure.loop import COLUMNS
+from pkv.measure.model_step import COLUMNS as MODEL_STEP_COLUMNS
 from pkv.config.resolve import SMOKE_BANNER, config_hash, effective
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
 from pkv.report.tables import targets
@@ -102,7 +103,7 @@ def test_paper_fan_out_on_any_machine(tree):
     # One serving job per engine set, over every point and held-out seed in one process.
     serve = [(w, s) for r, w, s in jobs if r == "serve_trace"]
     assert {w["engine_set"] for w, _ in serve} == set(CONFIG["engine_sets"]) and len(serve) == len(CONFIG["engine_sets"])
-    for _, shell in serve:
+    for w, shell in serve:
         args = shlex.split(shell.split(" > ")[0])
         values = lambda flag: list(itertools.takewhile(lambda a: not a.startswith("--"),  # noqa: E731
                                                        args[args.index(flag) + 1:]))
@@ -177,10 +178,12 @@ def test_parquet_schema_provenance_and_seeds(smoke):
     files = sorted((root / "raw").rglob("*.parquet"))
     stages = {f.parent.name for f in files}
     assert stages == {"calibrate", "serve", "isolated", "split_sensitivity", "b4_sweep", "gqa_sweep", "raggedness",
-                      "implementation", "mlp_proxy", "external", "host"}
+                      "implementation", "mlp_proxy", "external", "host", "model_step"}
     for f in files:
         schema = pq.read_schema(f)
-        if f.parent.name != "host":   # the host benchmark's own rows (pkv bench host), not the loop's
+        if f.parent.name == "model_step":   # the model step's own rows (pkv.measure.model_step)
+            assert schema.names == list(MODEL_STEP_COLUMNS), f
+        elif f.parent.name != "host":   # the host benchmark's own rows (pkv bench host), not the loop's
             assert schema.names == list(COLUMNS), f
         meta = read_meta(f)
         assert set(PROVENANCE_KEYS) <= set(meta), f

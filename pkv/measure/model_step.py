@@ -71,6 +71,8 @@ COLUMNS = {
     "rel_err": "float64", "max_rel_err": "float64", "failed": "bool",
 }
 
+MEASURED_TIMES = ("wall_s", "prepare_s", "device_s")   # the timed columns (every other one is a key, count or error)
+
 METHOD = ("serial: perf_counter around prepare + launch + synchronize, L2 flushed first, engines rotated per step; "
           "prepare_s: host prepare alone; device_s: CUDA events around the launch (graph replay or eager layers); "
           "pipelined: all steps back to back without synchronization, median of repeats; "
