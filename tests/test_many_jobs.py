@@ -61,6 +61,9 @@ def test_one_process_writes_one_file_per_seed_equal_to_the_job_alone(frozen):
     for seed, path in zip((A, B), both):
         f = pd.read_parquet(path)
         assert set(f["seed"]) == {seed} and read_meta(path)["stage"] == "serve"
+        # Each file names the command that measures its job alone.
+        assert read_meta(path)["command"] == \
+            f"pkv measure serve --family bimodal --max-active 4 --seed {seed} --engine-set main"
     timing = {*MEASURED_TIMES, *HOST_TIMES}
     x, y = pd.read_parquet(both[1]), pd.read_parquet(alone)
     keep = [c for c in x.columns if c not in timing]
@@ -78,3 +81,25 @@ def test_a_bad_list_is_refused_before_anything_is_measured(frozen, capsys, seeds
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert not list(frozen.glob("*.parquet"))
+
+
+def test_one_process_serves_several_points(frozen):
+    """The serving rule's form: --family, --max-active and --seed one value per job (a flag
+    given once holds for every job)."""
+    outs = [frozen / "b4.parquet", frozen / "b8.parquet", frozen / "h8.parquet"]
+    assert pkv(["measure", "serve", "--config", str(frozen / "config.json"), "--constants",
+                str(frozen / "constants.json"), "--family", "bimodal", "bimodal", "homogeneous",
+                "--max-active", "4", "8", "8", "--seed", str(A), "--engine-set", "main",
+                "--out", *map(str, outs)]) == 0
+    got = [(f["family"].iloc[0], int(f["max_active"].iloc[0]), int(f["seed"].iloc[0]))
+           for f in map(pd.read_parquet, outs)]
+    assert got == [("bimodal", 4, A), ("bimodal", 8, A), ("homogeneous", 8, A)]
+
+
+def test_a_job_named_twice_across_points_is_refused(frozen, capsys):
+    outs = [frozen / "a.parquet", frozen / "b.parquet"]
+    assert pkv(["measure", "serve", "--config", str(frozen / "config.json"), "--constants",
+                str(frozen / "constants.json"), "--family", "bimodal", "--max-active", "4", "4",
+                "--seed", str(A), str(A), "--engine-set", "main", "--out", *map(str, outs)]) == 2
+    err = capsys.readouterr().err
+    assert f"--max-active/--seed names 4/{A} more than once" in err and len(err.strip().splitlines()) == 1, err

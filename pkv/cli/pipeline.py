@@ -191,7 +191,9 @@ def measure_cmd(args) -> int:
     for job in jobs:
         kwargs = {f: (Path(getattr(job, f)) if kind == "path" else getattr(job, f)) for f, kind in row.flags}
         frame, meta = run(cfg, k, **dict(row.fixed), **kwargs)
-        write_parquet(frame, job.out, _meta(job, cfg, {"stage": frame["stage"].iloc[0], **meta}))
+        # The command that measures this one job alone (a stage may name its own instead).
+        command = " ".join(["pkv measure", row.command, *(f"{flag_of(f)} {getattr(job, f)}" for f, _ in row.flags)])
+        write_parquet(frame, job.out, _meta(job, cfg, {"stage": frame["stage"].iloc[0], "command": command, **meta}))
         print(f"wrote {job.out}", file=sys.stderr)
     return 0
 
