@@ -458,9 +458,14 @@ def test_the_router_runner_plans_once_and_reads_each_layers_kv(graph):
     outs = {}
     for name, runner in got.items():
         runner.prepare(step, 4)
-        outs[name] = runner.launch(step, 4).float()
+        outs[name] = runner.launch(step, 4)[:step.active].float()   # graph runners return the bucket's rows
     assert got["adaptive"].route.startswith("pkv-graph" if graph else "pkv-")
     torch.testing.assert_close(outs["adaptive"], outs["reference"], atol=2e-2, rtol=2e-2)
+    # A step routed to pkv-graph runs pkv-graph's per-bucket runner (its captured graph on a
+    # GPU), any other route the adaptive engine's plan over the layers.
+    runner = got["adaptive"]
+    assert (runner.current is runner.graph) == graph and (runner.current is runner.eager) != graph
+    assert runner.launch_kind == runner.current.launch_kind
 
 
 def test_the_fp8_pass_runs_the_engines_that_read_fp8_and_names_the_others(monkeypatch):

@@ -41,6 +41,49 @@ class PkvGraphRunner(GraphRunner):
         return lambda i, q: wrapper.run(q, kvs[i], **scales[i])
 
 
+class AdaptiveRunner(Runner):
+    """`adaptive` at model level: the router's decision once a step (host work, timed with
+    prepare); a step routed to pkv-graph replays pkv-graph's captured graph of the bucket (the
+    same per-bucket graphs as the pkv-graph runner's), any other route runs its engine's plan
+    over the layers eagerly (an EngineRunner over the adaptive engine)."""
+
+    name = "adaptive"
+
+    def __init__(self, engine, model, caches, xs, buckets):
+        from pkv.plan.costmodel import GRAPH
+
+        super().__init__(model, caches, xs)
+        self.engine, self.graph_route = engine, GRAPH
+        self.graph = PkvGraphRunner(model, caches, xs, buckets) if GRAPH in engine.pkv else None
+        self.eager = EngineRunner(self.name, engine, model, caches, xs)
+        self.current: Runner = self.eager
+
+    @property
+    def launch_kind(self) -> str:   # the route of the last prepared step
+        return self.current.launch_kind
+
+    def capture(self, bucket, step):
+        if self.graph is not None:
+            self.graph.capture(bucket, step)
+        self.eager.capture(bucket, step)
+
+    def prepare(self, step, bucket):
+        route = self.engine.router.decide(step.request_ids, step.seq_lens).route
+        if route == self.graph_route and self.graph is not None:
+            self.graph.prepare(step, bucket)
+            self.current, self.route = self.graph, self.graph.name
+        else:
+            self.eager.prepare(step, bucket)
+            self.current, self.route = self.eager, self.eager.route
+
+    def launch(self, step, bucket):
+        return self.current.launch(step, bucket)
+
+    def close(self):
+        if self.graph is not None:
+            self.graph.close()
+
+
 def build_runners(names: list[str], model, caches: list[PagedCache], xs, buckets, *, constants=None,
                   point: str = "") -> dict[str, Runner]:
     from pkv.engines import make_engine
@@ -65,7 +108,7 @@ def build_runners(names: list[str], model, caches: list[PagedCache], xs, buckets
             if constants is None:
                 raise ValueError("engine adaptive needs the frozen constants (--constants)")
             engine = make_engine("adaptive", caches[0], constants=constants, point=point)
-            runners[name] = EngineRunner(name, engine, model, caches, xs)
+            runners[name] = AdaptiveRunner(engine, model, caches, xs, buckets)
         elif name == "reference":
             runners[name] = ReferenceRunner(model, caches, xs)
         else:

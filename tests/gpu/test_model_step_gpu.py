@@ -114,3 +114,21 @@ def test_the_router_over_per_layer_kv_matches_flashinfer_eager():
     assert set(steps["engine"]) == {"flashinfer-eager", "adaptive"}
     bad = steps[steps["failed"]]
     assert bad.empty, bad[["trace", "max_active", "step", "route", "rel_err"]].to_string()
+
+
+def test_steps_the_router_sends_to_pkv_graph_replay_its_captured_graph():
+    """adaptive with a pkv-graph fit: the steps routed there replay pkv-graph's per-bucket
+    graph (launch "graph") and match FlashInfer eager on every layer's own KV."""
+    import dataclasses
+
+    from pkv.plan.costmodel import Constants, GraphFit
+
+    k = Constants.load(REPO / "results" / "calibration" / "constants.json")
+    k = dataclasses.replace(k, graph=GraphFit(1e-9, 1e-15, 1e-15, 264, 4), min_context=1)   # pkv-graph wins every step
+    shape = runners.ModelShape("tiny-router-graph", 4, 32 * 128, 32, 8, 128, 4096)
+    dropped = {}
+    frame = ms.run(plan(shape, ["auto"], ["flashinfer-eager", "adaptive"], k), log=print, dropped=dropped)
+    assert dropped == {}
+    steps = frame[(frame["kind"] == "step") & (frame["engine"] == "adaptive")]
+    assert set(steps["route"]) == {"pkv-graph"} and set(steps["launch"]) == {"graph"}
+    assert not steps["failed"].any(), steps[steps["failed"]][["trace", "step", "rel_err"]].to_string()
