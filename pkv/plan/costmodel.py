@@ -342,6 +342,7 @@ class Router:
     """
 
     SMALL = 48          # up to this many rows, plain Python beats numpy's per-call overhead
+    FEW = 16            # up to this many rows, the longest row by Python's max (the cache key)
     MAX_ENTRIES = 4096
 
     def __init__(self, shape: Shape, k: Constants, baselines, policies: dict, cache: bool = True,
@@ -364,7 +365,9 @@ class Router:
 
     def decide(self, request_ids: np.ndarray, seq_lens: np.ndarray) -> Decision:
         active = len(seq_lens)
-        longest = int(seq_lens.max())
+        # A cache hit is a few dict operations; numpy's max() of a few rows was two thirds of
+        # it (1.5 of 2.2 us on this CPU), Python's max over the list a third of that.
+        longest = max(seq_lens.tolist()) if active <= self.FEW else int(seq_lens.max())
         gate = self.group_ok and longest >= self.k.min_context
         if self.cache is None:
             return self._exact(seq_lens, active, longest, gate)
