@@ -63,8 +63,8 @@ STAGES: dict[str, Stage] = {
                        (("seed", "seed"),), many=("seed",)),
     "external": Stage("external", "the external request trace named in the config", "external", "{name}.parquet",
                       (("trace", "path"),)),
-    # The model step (pkv.measure.model_step): outside the job grid of `all` (its rules are
-    # named targets, workflow/rules/model.smk), both commands writing raw/model_step/; the
+    # The model step (pkv.measure.model_step): in `all` when the config has a model_step
+    # section (pkv.report.spec), its rules in workflow/rules/model.smk, both commands writing raw/model_step/; the
     # external trace's file is named like the external stage's (external_identity).
     "model_step": Stage("model-step", "model-level decode step: N layers, per-layer KV, one CUDA graph per bucket, "
                         "one held-out seed", "model_step", "s{seed}.parquet", (("seed", "seed"),),
