@@ -163,6 +163,15 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   auto cta_of = [&](int64_t u) { return static_cast<int>(floor_div((u + 1) * n - 1, W)); };  // CTA whose range holds u
 
   int r = row_of(s_inc, R, H, lo);
+  // v5.4: the block-table line of this CTA's first pages is asked into L2 before the piece's
+  // set-up (in-order work that came before its page-id loads: ~1.4 us at B1 1K, docs/perf-notes.md),
+  // so those loads find it there. Row r has tiles (row_of skips empty rows); one line holds 32 ids.
+  if (tid == 0) {
+    const int exc = r ? s_inc[r - 1] : 0, tiles = s_inc[r] - exc;
+    const int64_t within = lo - static_cast<int64_t>(H) * exc;   // units into row r
+    const int t0 = static_cast<int>(static_cast<uint32_t>(within) % static_cast<uint32_t>(tiles)) * kTile;
+    prefetch_l2(p.block_table + static_cast<int64_t>(s_req[r]) * p.bt_stride + (t0 >> p.page_shift));
+  }
   const int num_slots = 2 * p.num_ctas;
   float* part_m = p.partial;
   float* part_l = p.partial + static_cast<int64_t>(num_slots) * G;
