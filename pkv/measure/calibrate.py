@@ -148,9 +148,9 @@ def _replayed(rows: pd.DataFrame) -> pd.DataFrame:
 
 
 def _device(rows: pd.DataFrame) -> np.ndarray:
-    """Device time per step: graph replay, else CUDA events, else wall time (the CPU)."""
-    t = rows["graph_s"] if "graph_s" in rows else pd.Series(np.nan, index=rows.index)
-    return t.where(t.notna(), rows["cuda_s"]).where(lambda x: x.notna(), rows["wall_s"]).to_numpy()
+    """Device time per step: graph replay, else what _measured gives (events, else wall)."""
+    measured = _measured(rows)
+    return np.where(rows["graph_s"].notna(), rows["graph_s"], measured) if "graph_s" in rows else measured
 
 
 def _relative_fit(features: np.ndarray, measured: np.ndarray) -> tuple[np.ndarray, float]:
@@ -260,8 +260,7 @@ def fit_host_s(frame: pd.DataFrame) -> dict:
     out = {}
     for engine, rows in frame[frame["cuda_s"].notna()].groupby("engine", sort=True):
         rows = _replayed(rows)
-        span = rows["graph_s"] if "graph_s" in rows and rows["graph_s"].notna().all() else rows["cuda_s"]
-        out[engine.removeprefix("pkv-")] = float((rows["wall_s"] - span).clip(lower=0.0).median())
+        out[engine.removeprefix("pkv-")] = float(np.median(np.clip(rows["wall_s"].to_numpy() - _device(rows), 0.0, None)))
     return out
 
 

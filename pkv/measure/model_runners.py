@@ -13,6 +13,7 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.engines.model import GPU_ENGINES, EngineRunner, GraphRunner, ReferenceRunner, Runner
+from pkv.plan.costmodel import GRAPH
 
 
 class PkvGraphRunner(GraphRunner):
@@ -50,10 +51,8 @@ class AdaptiveRunner(Runner):
     name = "adaptive"
 
     def __init__(self, engine, model, caches, xs, buckets):
-        from pkv.plan.costmodel import GRAPH
-
         super().__init__(model, caches, xs)
-        self.engine, self.graph_route = engine, GRAPH
+        self.engine = engine
         self.graph = PkvGraphRunner(model, caches, xs, buckets) if GRAPH in engine.pkv else None
         self.eager = EngineRunner(self.name, engine, model, caches, xs)
         self.current: Runner = self.eager
@@ -69,7 +68,7 @@ class AdaptiveRunner(Runner):
 
     def prepare(self, step, bucket):
         route = self.engine.router.decide(step.request_ids, step.seq_lens).route
-        if route == self.graph_route and self.graph is not None:
+        if route == GRAPH and self.graph is not None:
             self.graph.prepare(step, bucket)
             self.current, self.route = self.graph, self.graph.name
         else:

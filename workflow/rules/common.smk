@@ -10,7 +10,7 @@ sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coerce, effective, gpu_name, load_schema,
                                 read_config_file, resolve_profile, run_root, validate_config)
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
-from pkv.config.jobs import STAGE_FILES, stage_files
+from pkv.config.jobs import STAGE_FILES, stage_files, stage_jobs
 from pkv.config.stages import external_identity
 from pkv.config.typed import Config
 from pkv.core.families import FAMILIES
@@ -41,8 +41,8 @@ ROOT = run_root(PROFILE, config["run"], GPU)
 REFERENCE = ROOT == REFERENCE_ROOT
 HELDOUT = [str(s) for s in C["seeds"]["heldout"]]
 # The values a stage's one process runs through (pkv.config.stages: `many`); the serving
-# stage's jobs are (family, max_active, seed), every point over every held-out seed.
-SERVE_JOBS = [(p["family"], str(p["max_active"]), s) for p in C["serving"] for s in HELDOUT]
+# stage's jobs are pkv.config.jobs' (family, max_active, seed), one engine set's worth.
+SERVE_JOBS = list(dict.fromkeys((j["family"], str(j["max_active"]), str(j["seed"])) for j in stage_jobs(C, "serve")))
 GQA_GROUPS = [str(g) for g in C["ablations"]["gqa_sweep"]["groups"]]
 ISOLATED_CONTEXTS = [str(c) for c in C["isolated"]["contexts"]]
 ABLATION_SEED = str(C["seeds"]["ablation"])
