@@ -2,10 +2,14 @@
 # the job-graph helpers the rules use as inputs. Imports nothing heavy: no torch, pandas,
 # pyarrow or matplotlib at parse time (tests/test_startup.py checks).
 import json
+import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
+# Every job's `python3 -m pkv.cli` runs in one warm worker process (imports, CUDA context
+# and loaded kernels kept between jobs; pkv/cli/worker.py); PKV_WORKER=off runs each alone.
+os.environ.setdefault("PKV_WORKER", "on")
 
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coerce, effective, gpu_name, load_schema,
                                 read_config_file, resolve_profile, run_root, validate_config)
@@ -168,4 +172,5 @@ def final_outputs():
     tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE, C)]
     figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
-    return tables + figures + stage_outputs("nsight_kernels") + comparison
+    build = [rules.build_kernels.output.manifest] if PROFILE == "paper" else []   # the GPU's kernels, first
+    return build + tables + figures + stage_outputs("nsight_kernels") + comparison
