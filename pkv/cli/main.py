@@ -19,6 +19,7 @@ import pkv
 COMMANDS = {
     "trace": ("pkv.cli.trace", "inspect request traces"),
     "freeze-config": ("pkv.cli.pipeline", "write the resolved experiment config every command reads"),
+    "build-kernels": ("pkv.cli.pipeline", "build every kernel the run loads, side by side, before it measures"),
     "calibrate": ("pkv.cli.pipeline", "fit and freeze the cost-model constants (calibration seed only)"),
     "measure": ("pkv.cli.pipeline", "run one measurement job of a pipeline stage"),
     "nsight": ("pkv.cli.pipeline", "capture the short B8 trace under Nsight Compute (ncu) to CSV"),

@@ -32,6 +32,11 @@ def add_commands(sub) -> None:
     fr.add_argument("--out", required=True, help="the frozen config.json to write")
     fr.set_defaults(func=freeze_config_cmd)
 
+    bk = sub.add_parser("build-kernels", help="build every kernel the run loads, side by side (fresh machine's JIT)")
+    bk.add_argument("--config", required=True, help="the frozen config.json")
+    bk.add_argument("--out", required=True, help="the manifest (JSON) of what was built and how long it took")
+    bk.set_defaults(func=build_kernels_cmd)
+
     cal = sub.add_parser("calibrate", help="fit and freeze the cost-model constants (calibration seed only)")
     _common(cal, constants=False)
     cal.add_argument("--raw", required=True, help="Parquet file for the calibration sweep's rows")
@@ -195,6 +200,16 @@ def measure_cmd(args) -> int:
         command = " ".join(["pkv measure", row.command, *(f"{flag_of(f)} {getattr(job, f)}" for f, _ in row.flags)])
         write_parquet(frame, job.out, _meta(job, cfg, {"stage": frame["stage"].iloc[0], "command": command, **meta}))
         print(f"wrote {job.out}", file=sys.stderr)
+    return 0
+
+
+def build_kernels_cmd(args) -> int:
+    from pkv.measure.warm import build_all, write_manifest
+
+    cfg = load_config(args.config)
+    manifest = build_all(cfg)
+    write_manifest(manifest, cfg, args.out)
+    print(f"built {len(manifest['built'])} kernel variants in {manifest['wall_s']:.1f} s: {args.out}", file=sys.stderr)
     return 0
 
 

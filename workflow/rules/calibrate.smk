@@ -10,6 +10,7 @@ rule freeze_config:
     log:
         out("logs/freeze_config.log"),
     localrule: True
+    priority: 100   # then build_kernels: the run's JIT builds before any measuring job
     conda:
         "../../envs/pkv.yaml"
     shell:

@@ -1,0 +1,47 @@
+"""`pkv build-kernels` (pkv.measure.warm.py): what a run loads is built side by side first."""
+
+import json
+import re
+import subprocess
+import sys
+
+from pkv.bench.kernels import SUITES
+from pkv.config.resolve import effective, read_config_file
+from pkv.engines import table
+from pkv.measure import warm
+from worktree import REPO, copy_worktree
+
+PAPER = effective(read_config_file(REPO / "config.yaml"), "paper")
+
+
+def test_variants_cover_every_flashinfer_module_the_run_loads():
+    built = {(e, d, kv) for e, d, _, kv in warm.variants(PAPER)}
+    assert {e for e, _, _ in built} - {"pkv-graph"} <= set(table.flashinfer())
+    d = PAPER["shape"]["head_dim"]
+    # every head_dim and KV dtype of the kernel sweep's suites, for both decode wrappers
+    for case in (c for suite in SUITES.values() for c in suite()):
+        for e in ("flashinfer", "flashinfer-tc"):
+            assert (e, case.head_dim, case.kv_dtype) in built, case
+    assert ("flashinfer-persistent", d, "auto") in built and ("pkv-graph", d, "auto") in built
+    assert len(built) == len(warm.variants(PAPER))           # each once
+
+
+def test_without_cuda_it_records_that_nothing_was_built(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(PAPER))
+    out = tmp_path / "kernels.json"
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "build-kernels", "--config", str(config), "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    manifest = json.loads(out.read_text())
+    assert manifest["built"] == [] and "no CUDA" in manifest["note"] and manifest["provenance"]["gpu"] == "cpu"
+
+
+def test_the_paper_run_builds_first(tmp_path):
+    tree = copy_worktree(tmp_path, "results/")
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "--config", "profile=paper",
+                        "run=reference", "--", "all"], cwd=tree, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert dict(re.findall(r"^(\w+)\s+(\d+)$", r.stdout, flags=re.M)).get("build_kernels") == "1"
+    rules = (REPO / "workflow/rules/kernels.smk").read_text() + (REPO / "workflow/rules/calibrate.smk").read_text()
+    assert rules.count("priority: 100") == 2      # freeze_config, then build_kernels, before any measuring job
