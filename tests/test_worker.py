@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.cli import worker
+from pkv.cli import worker, worker_serve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,9 +108,9 @@ def test_busy_worker_means_run_here(env, tmp_path, monkeypatch):
 def test_a_command_that_dies_ends_its_job(tmp_path):
     """The watch on a job's connection ends the worker when the command goes away."""
     code = ("import socket, threading, time\n"
-            "from pkv.cli.worker import _exit_when_gone\n"
+            "from pkv.cli.worker_serve import _exit_when_gone\n"
             "a, b = socket.socketpair()\n"
-            "threading.Thread(target=_exit_when_gone, args=(a,), daemon=True).start()\n"
+            "threading.Thread(target=_exit_when_gone, args=(a, threading.Event()), daemon=True).start()\n"
             "b.close()\n"
             "time.sleep(30)\n")
     started = time.monotonic()
@@ -121,3 +121,48 @@ def test_a_command_that_dies_ends_its_job(tmp_path):
 def test_pipeline_turns_it_on():
     text = (ROOT / "workflow/rules/common.smk").read_text()
     assert 'os.environ.setdefault("PKV_WORKER", "on")' in text
+
+
+def test_a_job_that_allocated_gpu_memory_is_the_workers_last(monkeypatch):
+    """A GPU job leaves the worker ("gpu": a fresh successor takes the next job); a job that
+    only had the preloaded context (nothing allocated) does not."""
+    class Cuda:
+        reserved = 0
+
+        def is_initialized(self):
+            return True
+
+        def synchronize(self):
+            pass
+
+        def max_memory_reserved(self):
+            return self.reserved
+
+    class Torch:
+        cuda = Cuda()
+
+    monkeypatch.setitem(sys.modules, "torch", Torch())
+    assert worker_serve._leave() is True
+    Torch.cuda.reserved = 2 << 20
+    assert worker_serve._leave() == "gpu"
+
+
+def test_a_standby_takes_over_when_its_worker_goes(env, tmp_path):
+    """The worker started beside a GPU job waits, preloaded, and serves the next command the
+    moment the current worker has gone (here: it idles out)."""
+    on = {**env, "PKV_WORKER": "on", "PKV_WORKER_IDLE_S": "2"}
+    assert run(["trace", "--help"], on).returncode == 0
+    path = tmp_path / f"pkv-worker-{os.getuid()}" / f"{worker.fingerprint(on)}.sock"
+    assert path.exists()
+    standby = subprocess.Popen([sys.executable, "-m", "pkv.cli.worker_serve", "--socket", str(path), "--standby",
+                                "--idle-s", "3"], cwd=ROOT, env={**on, "PKV_WORKER": "off"},
+                               stdout=open(path.with_suffix(".log"), "a"), stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 20
+        while "(was the standby)" not in worker_log(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert run(["trace", "--help"], on).returncode == 0
+        log = worker_log(tmp_path)
+        assert "(was the standby)" in log and log.count(" worker ") == 2 and log.count("rc=0") == 2, log
+    finally:
+        standby.wait(30)

@@ -29,6 +29,9 @@ COMMANDS = {
     "bench": ("pkv.cli.bench", "benchmarks"),
 }
 COMMAND_MODULES = list(dict.fromkeys(module for module, _ in COMMANDS.values()))
+# Commands that time something (device or host): in the warm worker nothing else runs in
+# their process while they do (pkv/cli/worker.py finishes its preload first).
+TIMED = frozenset({"calibrate", "measure", "nsight", "bench"})
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -16,6 +16,15 @@ What keeps that true:
 - Per job: its argv, folder and environment are set, functools caches that read the
   outside world are cleared (the commit), and matplotlib's settings go back to the rc
   file's; afterwards Python and the CUDA allocator give back what the job freed.
+- A job that allocated GPU memory is the worker's last: measured on the H200 (docs/pipeline.md,
+  "One warm process"), pkv-graph's B8 64K/128K kernel rows ran 13 % slower in a process that
+  had run the model step before them (the same rows in a fresh process: as fast as ever), so
+  every GPU job gets a CUDA context nothing else has allocated in. What stays warm across GPU
+  jobs is the start-up, never the device's memory: when a timed command (pkv.cli.main.TIMED)
+  begins on a GPU, a standby worker starts beside it (pkv/cli/worker_serve.py), imports torch,
+  pandas and FlashInfer, creates its CUDA context and serves the next command as soon as the
+  current worker has gone. A timed command starts only once its worker's preload is done: a
+  thread importing beside it slowed B1 1K's graph replay from 10.6 to ~15 us on the H200.
 - One job at a time. A command that finds the worker busy runs in its own process.
 - A command that dies (Snakemake killing the job) ends the worker at once: no job outlives
   its command. A job that fails with a traceback ends the worker after it reports (it may
@@ -26,23 +35,17 @@ What keeps that true:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import fcntl
-import gc
 import hashlib
 import json
 import os
-import queue
-import select
 import socket
 import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import traceback
 from pathlib import Path
 
 ON = ("1", "on", "true", "yes")
@@ -122,26 +125,48 @@ def _connect(path: Path) -> socket.socket | None:
 
 
 def _spawn(path: Path) -> socket.socket | None:
-    """Start the worker for `path` (one at a time: a lock file), then connect to it."""
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    """Start the worker for `path` unless one is on its way (its pid in `.coming`), then connect."""
+    with _locked(path):
         conn = _connect(path)
         if conn is not None:
             return conn
-        path.unlink(missing_ok=True)            # a socket left by a worker that was killed
-        env = {**os.environ, "PKV_WORKER": "off",
-               "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        with open(path.with_suffix(".log"), "a") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "pkv.cli.worker", "--socket", str(path)], cwd="/",
-                                    env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True, close_fds=True)
-        deadline = time.monotonic() + SPAWN_TIMEOUT_S
-        while time.monotonic() < deadline and proc.poll() is None:
-            conn = _connect(path)
-            if conn is not None:
-                return conn
-            time.sleep(0.01)
-        return None
+        if not _alive(path.with_suffix(".coming")):
+            _start(path, os.environ)
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    while time.monotonic() < deadline and _alive(path.with_suffix(".coming")):
+        conn = _connect(path)
+        if conn is not None:
+            return conn
+        time.sleep(0.01)
+    return _connect(path)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """The lock every change of who serves `path` is made under (short: nobody waits in it)."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _alive(pid_file: Path) -> bool:
+    try:
+        os.kill(int(pid_file.read_text()), 0)
+        return True
+    except (OSError, ValueError):
+        return False
+
+
+def _start(path: Path, environ, standby: bool = False) -> None:
+    """A worker for `path` (called under _locked): it serves once `path` has nobody alive behind
+    it. Its pid is in `.coming` until then, so that nobody starts a second one."""
+    env = {**environ, "PKV_WORKER": "off",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [environ.get("PYTHONPATH")])])}
+    with open(path.with_suffix(".log"), "a") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pkv.cli.worker_serve", "--socket", str(path),
+                                 *(["--standby"] if standby else [])], cwd="/", env=env, stdin=subprocess.DEVNULL,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
+    path.with_suffix(".coming").write_text(str(proc.pid))
 
 
 def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
@@ -152,154 +177,3 @@ def _recv_exact(conn: socket.socket, n: int) -> bytes | None:
             return None
         data += chunk
     return data
-
-
-# --- the worker's side -------------------------------------------------------------------
-
-class Worker:
-    def __init__(self, path: Path, idle_s: float):
-        self.path, self.idle_s = path, idle_s
-        self.jobs: queue.Queue = queue.Queue()
-        self.busy = threading.Lock()            # held from taking a job until its reply is sent
-
-    def serve(self) -> None:
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(str(self.path))
-        listener.listen(16)
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-        log(f"worker {os.getpid()} on {self.path}")
-        try:
-            while True:
-                try:
-                    conn, fds, request = self.jobs.get(timeout=self.idle_s)
-                except queue.Empty:
-                    log(f"idle {self.idle_s:.0f} s: exiting")
-                    return
-                keep = self._run(conn, fds, request)
-                self.busy.release()
-                if not keep:
-                    log("a job failed with a traceback: exiting (the next command starts a fresh worker)")
-                    return
-        finally:
-            self.path.unlink(missing_ok=True)   # before the listener closes: no command reaches a dead one
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            conn, _ = listener.accept()
-            conn.settimeout(5.0)                # a command sends its request at once
-            fds: list[int] = []
-            try:
-                head, fds, _, _ = socket.recv_fds(conn, 8, 2)
-                request = json.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]) or b"null")
-                conn.settimeout(None)
-            except (OSError, ValueError, struct.error):
-                for fd in fds:
-                    os.close(fd)
-                conn.close()
-                continue
-            if request is None or len(fds) != 2 or not self.busy.acquire(blocking=False):
-                for fd in fds:
-                    os.close(fd)
-                with contextlib.suppress(OSError):
-                    conn.sendall(b"B")
-                conn.close()
-                continue
-            conn.sendall(b"A")
-            self.jobs.put((conn, fds, request))
-
-    def _run(self, conn: socket.socket, fds: list[int], request: dict) -> bool:
-        """Run one command with the client's argv, folder, environment and stdout/stderr;
-        True when the worker may take another."""
-        from pkv.cli.main import main
-
-        watch = threading.Thread(target=_exit_when_gone, args=(conn,), daemon=True)
-        watch.start()
-        started, keep = time.monotonic(), True
-        sys.stdout.flush(), sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        try:
-            os.dup2(fds[0], 1), os.dup2(fds[1], 2)
-            _enter(request)
-            try:
-                rc = int(main(request["argv"]) or 0)
-            except SystemExit as e:
-                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-                rc, keep = 1, False
-            sys.stdout.flush(), sys.stderr.flush()
-        finally:
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            for fd in (*saved, *fds):
-                os.close(fd)
-        keep = _leave() and keep
-        log(f"rc={rc} {time.monotonic() - started:.1f} s: {' '.join(request['argv'])}")
-        with contextlib.suppress(OSError):
-            conn.sendall(struct.pack("!i", rc))
-        conn.close()
-        return keep
-
-
-def _enter(request: dict) -> None:
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(request["env"])
-    os.environ["PKV_WORKER"] = "off"            # what this job starts runs in its own process
-    sys.argv = [request["argv0"], *request["argv"]]
-    from pkv.core import io
-
-    io._git_commit.cache_clear()                # a commit made between two jobs
-
-
-def _leave() -> bool:
-    """Give back what the job freed; False when CUDA is no longer usable."""
-    if "matplotlib" in sys.modules:
-        import matplotlib
-        import matplotlib.pyplot as plt
-
-        plt.close("all")
-        matplotlib.rc_file_defaults()
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        try:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-        except RuntimeError as e:
-            log(f"CUDA unusable after the job: {e}")
-            return False
-    return True
-
-
-def _exit_when_gone(conn: socket.socket) -> None:
-    """The command that handed us the job has died: end the worker (and the job) now."""
-    while True:
-        try:
-            ready, _, _ = select.select([conn], [], [], 0.2)
-            if ready and not conn.recv(1, socket.MSG_PEEK):
-                log("the command went away during its job: exiting")
-                os._exit(3)
-        except (OSError, ValueError):           # the reply was sent and the socket closed
-            return
-
-
-def log(text: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {text}", file=sys.__stdout__, flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pkv.cli.worker", description=__doc__.split("\n\n")[0])
-    p.add_argument("--socket", required=True, type=Path)
-    p.add_argument("--idle-s", type=float, default=float(os.environ.get("PKV_WORKER_IDLE_S", IDLE_S)))
-    args = p.parse_args(argv)
-    try:
-        Worker(args.socket, args.idle_s).serve()
-    except OSError as e:                        # another worker took the socket first
-        log(f"not serving: {e}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
