@@ -50,5 +50,5 @@ def test_the_run_plans_every_stage(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", r.stdout, flags=re.M))
     for rule in ("calibrate_device", "serve_trace", "model_step", "model_step_external", "measure_kv_fp8",
-                 "report_model_step", "plot_model_step", "bench_kernels", "capture_nsight"):
+                 "report_model_step", "plot_model_step", "bench_kernels", "capture_nsight", "build_kernels"):
         assert counts.get(rule) == "1", (rule, counts)
