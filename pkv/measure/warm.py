@@ -76,14 +76,15 @@ def build_all(cfg: dict) -> dict:
     if not torch.cuda.is_available():
         return {"built": [], "wall_s": 0.0, "note": "no CUDA device: nothing is compiled (CPU engines)"}
     todo = variants(cfg)
+    workers = min(len(todo), os.cpu_count() or 1)
     # spawn: a CUDA context does not survive fork; each child builds one variant.
-    with ProcessPoolExecutor(max_workers=min(len(todo), os.cpu_count() or 1), mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         built = list(pool.map(build_one, todo))
     for b in built:
         status = f"failed: {b['error']}" if b["error"] else "ok"
         print(f"{b['engine']} d{b['head_dim']} {b['dtype']}/{b['kv_dtype']}: {b['seconds']:.1f} s {status}",
               file=sys.stderr)
-    return {"built": built, "wall_s": round(time.perf_counter() - started, 2), "workers": len(todo)}
+    return {"built": built, "wall_s": round(time.perf_counter() - started, 2), "workers": workers}
 
 
 def write_manifest(manifest: dict, cfg: dict, path: str) -> None:

@@ -155,10 +155,9 @@ def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False) -> st
             parts.append(f"Wall bar met on {int((t['wall_regret'] >= wall_bar).sum())} of {len(t)} traces "
                          f"(min {t['wall_regret'].min():.3f})")
         if not dev.empty:
-            parts.append(f"device bar{'' if parts else f' (≥ {device_bar})'} on {int((dev >= device_bar).sum())} of "
-                         f"{len(dev)} (min {dev.min():.3f})")
-        line = "; ".join(parts)
-        lines += [(f"`{router}`: " if several else "") + line[:1].upper() + line[1:] + "."]
+            label = "device bar" if parts else f"Device bar (≥ {device_bar})"   # alone: name its bar
+            parts.append(f"{label} on {int((dev >= device_bar).sum())} of {len(dev)} (min {dev.min():.3f})")
+        lines += [(f"`{router}`: " if several else "") + "; ".join(parts) + "."]
     lines += [""]
     return "\n".join(lines)
 

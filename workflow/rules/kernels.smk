@@ -1,7 +1,7 @@
 # The kernel benchmark (issue 11): device time of pkv-graph against FlashInfer's three
 # decode variants over the serving range, then its table and ratio figure from Parquet.
 # Nothing here is routed, so it needs no calibration; paper profile only (GPU kernels).
-# First of all (priority), every kernel the run loads is built at once (pkv.measure.warm.py).
+# First of all (priority), every kernel the run loads is built at once (pkv/measure/warm.py).
 
 
 rule build_kernels:
