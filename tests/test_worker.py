@@ -149,20 +149,21 @@ def test_a_job_that_allocated_gpu_memory_is_the_workers_last(monkeypatch):
 
 def test_a_standby_takes_over_when_its_worker_goes(env, tmp_path):
     """The worker started beside a GPU job waits, preloaded, and serves the next command the
-    moment the current worker has gone (here: it idles out)."""
-    on = {**env, "PKV_WORKER": "on", "PKV_WORKER_IDLE_S": "2"}
+    moment the current worker has gone (here: it idles out), not before."""
+    on = {**env, "PKV_WORKER": "on", "PKV_WORKER_IDLE_S": "6"}
     assert run(["trace", "--help"], on).returncode == 0
     path = tmp_path / f"pkv-worker-{os.getuid()}" / f"{worker.fingerprint(on)}.sock"
-    assert path.exists()
     standby = subprocess.Popen([sys.executable, "-m", "pkv.cli.worker_serve", "--socket", str(path), "--standby",
                                 "--idle-s", "3"], cwd=ROOT, env={**on, "PKV_WORKER": "off"},
                                stdout=open(path.with_suffix(".log"), "a"), stderr=subprocess.STDOUT)
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 40
         while "(was the standby)" not in worker_log(tmp_path) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert run(["trace", "--help"], on).returncode == 0
         log = worker_log(tmp_path)
         assert "(was the standby)" in log and log.count(" worker ") == 2 and log.count("rc=0") == 2, log
+        # It took over only once the first worker had gone.
+        assert log.index("idle 6 s: exiting") < log.index("(was the standby)"), log
     finally:
         standby.wait(30)
