@@ -123,47 +123,78 @@ def test_pipeline_turns_it_on():
     assert 'os.environ.setdefault("PKV_WORKER", "on")' in text
 
 
-def test_a_job_that_allocated_gpu_memory_is_the_workers_last(monkeypatch):
-    """A GPU job leaves the worker ("gpu": a fresh successor takes the next job); a job that
-    only had the preloaded context (nothing allocated) does not."""
-    class Cuda:
-        reserved = 0
-
-        def is_initialized(self):
-            return True
-
-        def synchronize(self):
-            pass
-
-        def max_memory_reserved(self):
-            return self.reserved
-
-    class Torch:
-        cuda = Cuda()
-
-    monkeypatch.setitem(sys.modules, "torch", Torch())
-    assert worker_serve._leave() is True
-    Torch.cuda.reserved = 2 << 20
-    assert worker_serve._leave() == "gpu"
+def test_each_command_runs_in_a_child_of_its_own(env, tmp_path):
+    """Nothing one command does reaches the next: each runs in a fresh child of the zygote
+    (its own pid), while the zygote stays the same process."""
+    on = {**env, "PKV_WORKER": "on"}
+    args = ["trace", "show", "--family", "bimodal", "--seed", "20260623"]
+    first, second = run(args, on), run(args, on)
+    assert first.returncode == second.returncode == 0 and first.stdout == second.stdout
+    lines = worker_log(tmp_path).splitlines()
+    zygotes = {line.split("]")[0] for line in lines if " worker " in line}
+    jobs = [line.split("]")[0] for line in lines if "rc=0" in line]
+    assert len(zygotes) == 1 and len(jobs) == 2 and len(set(jobs)) == 2 and not zygotes & set(jobs), lines
 
 
-def test_a_standby_takes_over_when_its_worker_goes(env, tmp_path):
-    """The worker started beside a GPU job waits, preloaded, and serves the next command the
-    moment the current worker has gone (here: it idles out), not before."""
-    on = {**env, "PKV_WORKER": "on", "PKV_WORKER_IDLE_S": "6"}
-    assert run(["trace", "--help"], on).returncode == 0
-    path = tmp_path / f"pkv-worker-{os.getuid()}" / f"{worker.fingerprint(on)}.sock"
-    standby = subprocess.Popen([sys.executable, "-m", "pkv.cli.worker_serve", "--socket", str(path), "--standby",
-                                "--idle-s", "3"], cwd=ROOT, env={**on, "PKV_WORKER": "off"},
-                               stdout=open(path.with_suffix(".log"), "a"), stderr=subprocess.STDOUT)
+def test_a_traceback_is_the_commands_exit_1(tmp_path):
+    """A command that fails with a traceback: the traceback on its stderr, exit code 1 to it."""
+    code = ("import os, socket, struct, sys\n"
+            "import pkv.cli.main\n"
+            "from pkv.cli import worker_serve as w\n"
+            "m = sys.modules['pkv.cli.main']\n"
+            "def boom(argv):\n"
+            "    raise RuntimeError('boom')\n"
+            "m.main = boom\n"
+            "a, b = socket.socketpair()\n"
+            "out, err, rc = sys.argv[1:]\n"
+            "fds = [os.open(f, os.O_WRONLY | os.O_CREAT) for f in (out, err)]\n"
+            "w._run(a, fds, {'argv': ['x'], 'argv0': 'pkv', 'cwd': os.getcwd(), 'env': dict(os.environ)})\n"
+            "open(rc, 'w').write(str(struct.unpack('!i', b.recv(4))[0]))\n")
+    out, err, rc = (tmp_path / n for n in ("out", "err", "rc"))
+    done = subprocess.run([sys.executable, "-c", code, str(out), str(err), str(rc)], cwd=ROOT, timeout=60)
+    assert done.returncode == 0 and rc.read_text() == "1"
+    assert "RuntimeError: boom" in err.read_text()
+
+
+def test_the_zygote_preloads_without_cuda(monkeypatch):
+    """The zygote imports every pkv module (none may import FlashInfer or initialize CUDA:
+    its children could not use CUDA then) and refuses to serve when one did."""
+    assert worker_serve._preload_shared() == ""
+    import pkv.cli.main  # noqa: F401
+    assert "pkv.measure.loop" in sys.modules and "flashinfer" not in sys.modules
+    monkeypatch.setitem(sys.modules, "flashinfer", object())
+    assert worker_serve._preload_shared() == "a preloaded module initialized CUDA"
+
+
+def test_gpu_commands_take_the_child_preloaded_ahead(env, tmp_path):
+    """On a GPU machine the child for the next GPU command is forked ahead and preloads
+    (FlashInfer, CUDA) beside what runs; other commands get a plain fork at once. Here the
+    GPU is faked and the preload writes a marker instead."""
+    on = {**env, "PKV_WORKER": "on", "PKV_WORKER_IDLE_S": "4"}
+    marks = tmp_path / "preloaded"
+    code = ("import os, sys\n"
+            "from pkv.cli import worker\n"
+            "path = worker.socket_path()\n"           # before torch's import sets variables of its own
+            "import torch\n"
+            "from pkv.cli import worker_serve as w\n"
+            "torch.cuda.device_count = lambda: 1\n"
+            "w._preload_gpu = lambda: open(sys.argv[1], 'a').write(f'{os.getpid()}\\n')\n"
+            "w._LOG = os.fdopen(os.dup(1), 'w', buffering=1)\n"
+            "w.Zygote(path, 4.0).serve()\n")
+    zygote = subprocess.Popen([sys.executable, "-c", code, str(marks)], cwd=ROOT, env=on,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 40
-        while "(was the standby)" not in worker_log(tmp_path) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert run(["trace", "--help"], on).returncode == 0
-        log = worker_log(tmp_path)
-        assert "(was the standby)" in log and log.count(" worker ") == 2 and log.count("rc=0") == 2, log
-        # It took over only once the first worker had gone.
-        assert log.index("idle 6 s: exiting") < log.index("(was the standby)"), log
+        sock = tmp_path / f"pkv-worker-{os.getuid()}" / f"{worker.fingerprint(on)}.sock"
+        deadline = time.monotonic() + 30
+        while not sock.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = run(["trace", "show", "--family", "bimodal", "--seed", "20260623"], on)
+        second = run(["bench", "kernels", "--help"], on)
+        assert first.returncode == second.returncode == 0 and "--cases" in second.stdout
     finally:
-        standby.wait(30)
+        out, _ = zygote.communicate(timeout=60)
+    jobs = {line.split("rc=0")[1].split(": ", 1)[1]: line.split("]")[0].split("[")[1]
+            for line in out.splitlines() if "rc=0" in line}
+    preloaded = marks.read_text().split()
+    assert jobs["bench kernels --help"] in preloaded, (out, preloaded)
+    assert jobs["trace show --family bimodal --seed 20260623"] not in preloaded, (out, preloaded)

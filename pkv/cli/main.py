@@ -29,9 +29,9 @@ COMMANDS = {
     "bench": ("pkv.cli.bench", "benchmarks"),
 }
 COMMAND_MODULES = list(dict.fromkeys(module for module, _ in COMMANDS.values()))
-# Commands that time something (device or host): in the warm worker nothing else runs in
-# their process while they do (pkv/cli/worker.py finishes its preload first).
-TIMED = frozenset({"calibrate", "measure", "nsight", "bench"})
+# Commands that may use the GPU: the warm worker (pkv/cli/worker.py) runs them in a child
+# that has FlashInfer and its CUDA context loaded before the command starts.
+GPU_COMMANDS = frozenset({"build-kernels", "calibrate", "measure", "nsight", "bench"})
 
 
 class DefaultsFormatter(argparse.HelpFormatter):

@@ -4,31 +4,27 @@ Each job of the pipeline is a `python3 -m pkv.cli ...` command, and most of a sh
 start-up: importing torch, pandas and FlashInfer and creating the CUDA context take ~8 s
 on the H200, against ~1.5 s for a serving point's measured loop. With PKV_WORKER=on (the
 Snakefile sets it, workflow/rules/common.smk) a command hands its argv, working folder,
-environment and stdout/stderr to a worker process instead, which runs commands one at a
-time in the same interpreter and keeps what they loaded: modules, the CUDA context, our
-kernels and FlashInfer's JIT modules. A job's exit code, output and files are those of a
-process of its own; only its start-up is gone.
+environment and stdout/stderr to a worker instead (pkv/cli/worker_serve.py): a zygote that
+has imported torch, pandas, matplotlib and pkv without initializing CUDA, and runs each
+command in a child forked from it. A job's exit code, output and files are those of a
+process of its own, because it is one; only its start-up is gone.
 
 What keeps that true:
 - A worker is keyed by everything a warm process would carry over: the interpreter, the
   environment (all of it, as an import or a build may read any variable) and the sizes and
   mtimes of pkv/ and csrc/. Any change starts another worker; the old one idles out.
-- Per job: its argv, folder and environment are set, functools caches that read the
-  outside world are cleared (the commit), and matplotlib's settings go back to the rc
-  file's; afterwards Python and the CUDA allocator give back what the job freed.
-- A job that allocated GPU memory is the worker's last: measured on the H200 (docs/pipeline.md,
-  "One warm process"), pkv-graph's B8 64K/128K kernel rows ran 13 % slower in a process that
-  had run the model step before them (the same rows in a fresh process: as fast as ever), so
-  every GPU job gets a CUDA context nothing else has allocated in. What stays warm across GPU
-  jobs is the start-up, never the device's memory: when a timed command (pkv.cli.main.TIMED)
-  begins on a GPU, a standby worker starts beside it (pkv/cli/worker_serve.py), imports torch,
-  pandas and FlashInfer, creates its CUDA context and serves the next command as soon as the
-  current worker has gone. A timed command starts only once its worker's preload is done: a
-  thread importing beside it slowed B1 1K's graph replay from 10.6 to ~15 us on the H200.
+- Every command runs in a fresh child, so nothing a job loads, sets or allocates reaches the
+  next one. On a GPU that is measured, not only tidy (docs/pipeline.md, "One warm process"):
+  pkv-graph's B8 64K/128K kernel rows ran 13 % slower in a process that had run the model
+  step before them, so every GPU job gets a CUDA context nothing else has allocated in.
+- The child due to run the next command is forked while the current one runs and, on a GPU
+  machine, imports FlashInfer and creates its CUDA context there (FlashInfer's import
+  initializes CUDA, so the zygote cannot preload it); a command starts only once its child's
+  preload is done (a thread importing beside a timed job slowed B1 1K's graph replay from
+  10.6 to ~15 us on the H200).
 - One job at a time. A command that finds the worker busy runs in its own process.
-- A command that dies (Snakemake killing the job) ends the worker at once: no job outlives
-  its command. A job that fails with a traceback ends the worker after it reports (it may
-  have left CUDA in an error state); a bad-input error (exit 2) does not.
+- A command that dies (Snakemake killing the job) ends its child at once: no job outlives
+  its command.
 - The worker's own commands run with PKV_WORKER=off (the Nsight stage's child runs under
   ncu in a process of its own); an idle worker exits after PKV_WORKER_IDLE_S (30 s).
 """
@@ -157,14 +153,14 @@ def _alive(pid_file: Path) -> bool:
         return False
 
 
-def _start(path: Path, environ, standby: bool = False) -> None:
+def _start(path: Path, environ) -> None:
     """A worker for `path` (called under _locked): it serves once `path` has nobody alive behind
     it. Its pid is in `.coming` until then, so that nobody starts a second one."""
     env = {**environ, "PKV_WORKER": "off",
            "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [environ.get("PYTHONPATH")])])}
     with open(path.with_suffix(".log"), "a") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pkv.cli.worker_serve", "--socket", str(path),
-                                 *(["--standby"] if standby else [])], cwd="/", env=env, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([sys.executable, "-m", "pkv.cli.worker_serve", "--socket", str(path)],
+                                cwd="/", env=env, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
     path.with_suffix(".coming").write_text(str(proc.pid))
 

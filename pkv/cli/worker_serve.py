@@ -1,169 +1,235 @@
 """The worker process of pkv/cli/worker.py (whose docstring says what it keeps and why):
-`python -m pkv.cli.worker_serve --socket PATH [--standby]`, started by a command or by the
-worker before it, never by hand."""
+`python -m pkv.cli.worker_serve --socket PATH`, started by a command, never by hand.
+
+A zygote: it imports what the jobs share (torch, pandas, pyarrow, matplotlib, seaborn and
+pkv) without initializing CUDA, and forks one child per command. The child that will run
+the next command is forked ahead of it: on a GPU machine it imports FlashInfer (whose
+import initializes CUDA, so the zygote cannot) and creates its CUDA context while the
+command before it runs, tells the zygote it is ready, waits for its command, runs it and
+exits. Every command therefore runs in a process of its own, with a CUDA context nothing
+else has allocated in, and pays none of the imports."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
+import importlib
 import json
 import os
-import queue
+import pkgutil
 import select
+import signal
 import socket
 import struct
 import sys
 import threading
 import time
 import traceback
+import warnings
 from pathlib import Path
 
-from pkv.cli.worker import IDLE_S, SPAWN_TIMEOUT_S, _alive, _locked, _recv_exact, _start
+from pkv.cli.main import GPU_COMMANDS, _command
+from pkv.cli.worker import IDLE_S, SPAWN_TIMEOUT_S, _alive, _locked, _recv_exact
 
-STANDBY_WAIT_S = 1800.0     # a standby waits this long for the GPU job it was started beside
+READY, DONE = b"R", b"D"    # a child's preload is done; its command is (the exit code on its way)
 
 
-class Worker:
-    def __init__(self, path: Path, idle_s: float, standby: bool = False):
-        self.path, self.idle_s, self.standby = path, idle_s, standby
-        self.env = dict(os.environ)             # the successor's (a job's environment is the job's)
-        self.jobs: queue.Queue = queue.Queue()
-        self.busy = threading.Lock()            # held from taking a job until its reply is sent
-        self.successor = False
-        self.preload = threading.Thread(target=_preload, daemon=True)
+class Child:
+    """A forked process for one command: the socket its command comes on, and its pidfd."""
+
+    def __init__(self, pid: int, sock: socket.socket):
+        self.pid, self.sock, self.fd = pid, sock, os.pidfd_open(pid)
+        self.ready = self.closed = False
+
+    def reap(self) -> int:
+        _, status = os.waitpid(self.pid, 0)
+        self.sock.close()
+        os.close(self.fd)
+        return status
+
+
+class Zygote:
+    def __init__(self, path: Path, idle_s: float):
+        self.path, self.idle_s = path, idle_s
+        self.next: Child | None = None      # forked ahead, takes the next command
+        self.running: Child | None = None   # runs a command now (one at a time)
+        self.exiting: list[Child] = []      # done with their command, not yet reaped
 
     def serve(self) -> None:
-        # A standby (started when a GPU job began) preloads while that job runs, and serves
-        # the moment its worker has gone; a worker started by a command serves at once.
-        self.preload.start()
-        listener = self._take_over(STANDBY_WAIT_S if self.standby else SPAWN_TIMEOUT_S)
+        listener = self._bind()
         if listener is None:
-            log(f"worker {os.getpid()}: another worker kept {self.path}; exiting")
+            log(f"worker {os.getpid()}: another worker serves {self.path}; exiting")
             return
-        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
-        log(f"worker {os.getpid()} on {self.path}" + (" (was the standby)" if self.standby else ""))
-        # The worker leaves holding `busy`: a command that reaches it while it exits is told
-        # "busy" and runs in its own process, never handed to a worker that is going away.
         try:
-            while True:
-                try:
-                    conn, fds, request = self.jobs.get(timeout=self.idle_s)
-                except queue.Empty:
-                    if not self.busy.acquire(blocking=False):
-                        continue                # a job is being handed over right now
-                    log(f"idle {self.idle_s:.0f} s: exiting")
-                    return
-                keep = self._run(conn, fds, request)
-                if keep == "gpu":
-                    log("the job allocated GPU memory: exiting, a fresh successor takes the next job")
-                    self.successor = True
-                    return
-                if not keep:
-                    log("a job failed with a traceback: exiting (the next command starts a fresh worker)")
-                    return
-                self.busy.release()
+            started = time.monotonic()
+            why = _preload_shared()
+            if why:                          # commands reaching the socket meanwhile are told "busy"
+                log(f"not serving: {why}")
+                return
+            log(f"worker {os.getpid()} on {self.path}: preloaded in {time.monotonic() - started:.1f} s")
+            self._loop(listener)
         finally:
-            with _locked(self.path):            # before the listener closes: no command reaches a dead one
-                self.path.unlink(missing_ok=True)
-                self.path.with_suffix(".pid").unlink(missing_ok=True)
-                if self.successor and not _alive(self.path.with_suffix(".coming")):
-                    _start(self.path, self.env)
+            with _locked(self.path):         # before the listener closes: no command reaches a dead one
+                if _mine(self.path.with_suffix(".pid")):
+                    self.path.unlink(missing_ok=True)
+                    self.path.with_suffix(".pid").unlink(missing_ok=True)
+            listener.close()
+            if self.next is not None:        # never handed a command
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self.next.pid, signal.SIGKILL)
+                self.next.reap()
 
-    def _take_over(self, wait_s: float) -> socket.socket | None:
-        """Bind `path` once no live worker is behind it; None if that takes over wait_s."""
-        me, pid, coming = os.getpid(), self.path.with_suffix(".pid"), self.path.with_suffix(".coming")
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline:
+    def _bind(self) -> socket.socket | None:
+        """Listen on `path` once no live worker is behind it (one that is exiting lets go soon)."""
+        pid, coming = self.path.with_suffix(".pid"), self.path.with_suffix(".coming")
+        deadline = time.monotonic() + SPAWN_TIMEOUT_S
+        try:
+            while time.monotonic() < deadline:
+                with _locked(self.path):
+                    if not (self.path.exists() and _alive(pid)):
+                        self.path.unlink(missing_ok=True)   # left by a worker that was killed
+                        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        listener.bind(str(self.path))
+                        listener.listen(16)
+                        pid.write_text(str(os.getpid()))
+                        return listener
+                time.sleep(0.05)
+            return None
+        finally:
             with _locked(self.path):
-                if not (self.path.exists() and _alive(pid)):
-                    self.path.unlink(missing_ok=True)   # left by a worker that was killed
-                    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                    listener.bind(str(self.path))
-                    listener.listen(16)
-                    pid.write_text(str(me))
-                    if coming.exists() and coming.read_text().strip() == str(me):
-                        coming.unlink()
-                    return listener
-            time.sleep(0.05)
-        with _locked(self.path):
-            if coming.exists() and coming.read_text().strip() == str(me):
-                coming.unlink()
-        return None
+                if _mine(coming):
+                    coming.unlink()
 
-    def _standby(self) -> None:
-        """At the start of a timed job on a GPU: the next worker, preloading while this one works."""
-        torch = sys.modules.get("torch")
-        if torch is None or not torch.cuda.is_available():
-            return
-        with _locked(self.path):
-            if not _alive(self.path.with_suffix(".coming")):
-                _start(self.path, self.env, standby=True)
+    def _loop(self, listener: socket.socket) -> None:
+        import torch
+
+        self.gpu = torch.cuda.device_count() > 0  # by NVML: the zygote initializes no CUDA
+        idle_since = time.monotonic()
+        while True:
+            children = [c for c in (self.next, self.running, *self.exiting) if c is not None]
+            watched = [listener, *(c.fd for c in children), *(c.sock for c in children if not c.closed)]
+            wait = None if self.running else max(0.0, idle_since + self.idle_s - time.monotonic())
+            ready, _, _ = select.select(watched, [], [], wait)
+            if not ready and self.running is None:
+                log(f"idle {self.idle_s:.0f} s: exiting")
+                return
+            for c in children:                       # a child's news: ready, done, or gone
+                if c.sock in ready:
+                    news = c.sock.recv(1)
+                    c.ready |= news == READY
+                    c.closed = not news
+                    if c is self.running and news in (DONE, b""):
+                        # The next command may come before this child has exited (a CUDA
+                        # context takes a moment to tear down): it is served, not told "busy".
+                        self.exiting.append(c)
+                        self.running, idle_since = None, time.monotonic()
+            for c in [c for c in (self.running, *self.exiting) if c is not None and c.fd in ready]:
+                status = c.reap()
+                if status:
+                    log(f"a command's process ended with wait status {status}")
+                if c is self.running:
+                    self.running, idle_since = None, time.monotonic()
+                else:
+                    self.exiting.remove(c)
+            if self.next is not None and self.next.fd in ready:
+                log(f"the child forked for the next command ended before one came (wait status {self.next.reap()}); "
+                    "exiting (commands run alone)")
+                self.next = None
+                return
+            if self.gpu and self.next is None and (self.running is None or self.running.ready):
+                self.next = self._fork(listener, gpu=True)  # preloads beside the running command, not its preload
+            if listener in ready:
+                self._accept(listener)
 
     def _accept(self, listener: socket.socket) -> None:
-        while True:
-            conn, _ = listener.accept()
-            conn.settimeout(5.0)                # a command sends its request at once
-            fds: list[int] = []
-            try:
-                head, fds, _, _ = socket.recv_fds(conn, 8, 2)
-                request = json.loads(_recv_exact(conn, struct.unpack("!Q", head)[0]) or b"null")
-                conn.settimeout(None)
-            except (OSError, ValueError, struct.error):
-                for fd in fds:
-                    os.close(fd)
-                conn.close()
-                continue
-            if request is None or len(fds) != 2 or not self.busy.acquire(blocking=False):
-                for fd in fds:
-                    os.close(fd)
-                with contextlib.suppress(OSError):
-                    conn.sendall(b"B")
-                conn.close()
-                continue
-            conn.sendall(b"A")
-            self.jobs.put((conn, fds, request))
-
-    def _run(self, conn: socket.socket, fds: list[int], request: dict) -> bool | str:
-        """Run one command with the client's argv, folder, environment and stdout/stderr;
-        True when the worker may take another, "gpu" when the job allocated GPU memory."""
-        from pkv.cli.main import TIMED, _command, main
-
-        if _command(request["argv"]) in TIMED:
-            # Measured on the H200: a preload still importing beside a timed job added ~5 us
-            # to B1 1K's replay. The next worker starts preloading now, in its own process.
-            self.preload.join()
-            self._standby()
-        replying = threading.Event()            # set before the exit code goes out
-        threading.Thread(target=_exit_when_gone, args=(conn, replying), daemon=True).start()
-        started, keep = time.monotonic(), True
-        sys.stdout.flush(), sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
+        conn, _ = listener.accept()
+        conn.settimeout(5.0)                 # a command sends its request at once
+        fds: list[int] = []
         try:
-            os.dup2(fds[0], 1), os.dup2(fds[1], 2)
-            _enter(request)
-            try:
-                rc = int(main(request["argv"]) or 0)
-            except SystemExit as e:
-                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-                if not isinstance(e.code, (int, type(None))):
-                    print(e.code, file=sys.stderr)
-            except BaseException:
-                traceback.print_exc()
-                rc, keep = 1, False
-            sys.stdout.flush(), sys.stderr.flush()
+            head, fds, _, _ = socket.recv_fds(conn, 8, 2)
+            payload = _recv_exact(conn, struct.unpack("!Q", head)[0])
+            conn.settimeout(None)
+            json.loads(payload or b"null")["argv"]
+        except (OSError, ValueError, TypeError, KeyError, struct.error):
+            payload = None
+        try:
+            gpu = self.gpu and payload is not None and _command(json.loads(payload)["argv"]) in GPU_COMMANDS
+            if payload is None or len(fds) != 2 or self.running is not None or (gpu and self.next is None):
+                with contextlib.suppress(OSError):
+                    conn.sendall(b"B")       # busy (one command at a time): it runs in its own process
+                return
+            # A GPU command takes the child preloaded for it; any other a plain fork made now.
+            child = self.next if gpu else self._fork(listener, gpu=False)
+            conn.sendall(b"A")
+            socket.send_fds(child.sock, [struct.pack("!Q", len(payload))], [conn.fileno(), *fds])
+            child.sock.sendall(payload)
+            self.running = child
+            if gpu:
+                self.next = None
+        except OSError as e:                 # the command or the child went away meanwhile
+            log(f"a command was not handed over: {e}")
         finally:
-            os.dup2(saved[0], 1), os.dup2(saved[1], 2)
-            for fd in (*saved, *fds):
+            for fd in fds:
                 os.close(fd)
-        left = _leave()
-        keep = left if left is not True else keep
-        log(f"rc={rc} {time.monotonic() - started:.1f} s: {' '.join(request['argv'])}")
-        replying.set()
+            conn.close()
+
+    def _fork(self, listener: socket.socket, gpu: bool) -> Child:
+        ours, theirs = socket.socketpair()
+        pid = os.fork()
+        if pid == 0:                         # the child: never returns into the zygote's code
+            try:
+                listener.close()
+                ours.close()
+                _child(theirs, gpu)
+            except BaseException:
+                log(traceback.format_exc())
+            finally:
+                os._exit(0)
+        theirs.close()
+        return Child(pid, ours)
+
+
+def _child(sock: socket.socket, gpu: bool) -> None:
+    """Preload what only a GPU process may load (gpu), say so, then run the one command handed over."""
+    if gpu:
+        _preload_gpu()
+    sock.sendall(READY)
+    head, fds, _, _ = socket.recv_fds(sock, 8, 3)
+    if len(head) < 8 or len(fds) != 3:       # the zygote exited before a command came
+        return
+    request = json.loads(_recv_exact(sock, struct.unpack("!Q", head)[0]) or b"null")
+    _run(socket.socket(fileno=fds[0]), fds[1:], request, sock)
+
+
+def _run(conn: socket.socket, fds: list[int], request: dict, zygote: socket.socket | None = None) -> None:
+    """Run one command with the client's argv, folder, environment and stdout/stderr."""
+    from pkv.cli.main import main
+
+    replying = threading.Event()            # set before the exit code goes out
+    threading.Thread(target=_exit_when_gone, args=(conn, replying), daemon=True).start()
+    started = time.monotonic()
+    os.dup2(fds[0], 1), os.dup2(fds[1], 2)
+    for fd in fds:
+        os.close(fd)
+    _enter(request)
+    try:
+        rc = int(main(request["argv"]) or 0)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        rc = 1
+    sys.stdout.flush(), sys.stderr.flush()
+    log(f"rc={rc} {time.monotonic() - started:.1f} s: {' '.join(request['argv'])}")
+    if zygote is not None:
         with contextlib.suppress(OSError):
-            conn.sendall(struct.pack("!i", rc))
-        conn.close()
-        return keep
+            zygote.sendall(DONE)                # before the command hears: it may send the next at once
+    replying.set()
+    with contextlib.suppress(OSError):
+        conn.sendall(struct.pack("!i", rc))
+    conn.close()
 
 
 def _enter(request: dict) -> None:
@@ -172,54 +238,60 @@ def _enter(request: dict) -> None:
     os.environ.update(request["env"])
     os.environ["PKV_WORKER"] = "off"            # what this job starts runs in its own process
     sys.argv = [request["argv0"], *request["argv"]]
-    from pkv.core import io
-
-    io._git_commit.cache_clear()                # a commit made between two jobs
 
 
-def _leave() -> bool | str:
-    """Give back what the job freed; False when CUDA is no longer usable, "gpu" when the job
-    allocated GPU memory (the worker's last job, see above)."""
-    if "matplotlib" in sys.modules:
-        import matplotlib
-        import matplotlib.pyplot as plt
+def _preload_shared() -> str:
+    """The zygote's imports, none of which may initialize CUDA (a forked child could not use it);
+    the reason not to serve, if one did."""
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")   # torch.cuda.is_available() by NVML
+    # Forking beside the idle thread pools of OpenBLAS, Arrow and torch is safe: each
+    # registers fork handlers (what torch's DataLoader relies on too).
+    warnings.filterwarnings("ignore", message=r".*multi-threaded, use of fork\(\)", category=DeprecationWarning)
+    import numpy  # noqa: F401
+    import pandas  # noqa: F401
+    import pyarrow.parquet  # noqa: F401
 
-        plt.close("all")
-        matplotlib.rc_file_defaults()
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        try:
-            torch.cuda.synchronize()
-            if torch.cuda.max_memory_reserved() > 0:
-                return "gpu"
-        except RuntimeError as e:
-            log(f"CUDA unusable after the job: {e}")
-            return False
-    return True
-
-
-def _preload() -> None:
-    """What most jobs import, and the CUDA context, made before the first job asks for them."""
-    started = time.monotonic()
     try:
-        import numpy  # noqa: F401
-        import pandas  # noqa: F401
-        import pyarrow.parquet  # noqa: F401
-        import torch
+        import matplotlib
 
-        if torch.cuda.is_available():
-            torch.cuda.init()
-            import flashinfer  # noqa: F401
-    except Exception as e:                      # a job that needs the module reports it
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+        import seaborn  # noqa: F401
+    except ImportError:
+        pass
+    import pkv
+
+    for mod in pkgutil.walk_packages(pkv.__path__, "pkv.", onerror=lambda name: None):
+        if not mod.name.endswith("__main__"):
+            with contextlib.suppress(Exception):     # a job that imports it reports the error
+                importlib.import_module(mod.name)
+    torch = sys.modules.get("torch")
+    if "flashinfer" in sys.modules or (torch is not None and torch.cuda.is_initialized()):
+        return "a preloaded module initialized CUDA"
+    return ""
+
+
+def _preload_gpu() -> None:
+    """A GPU command's child's own imports: FlashInfer and the CUDA context."""
+    import torch
+
+    try:
+        torch.cuda.init()
+        import flashinfer  # noqa: F401
+    except Exception as e:                      # a job that needs it reports it
         log(f"preload stopped: {type(e).__name__}: {e}")
-        return
-    log(f"preloaded in {time.monotonic() - started:.1f} s")
+
+
+def _mine(pid_file: Path) -> bool:
+    try:
+        return int(pid_file.read_text()) == os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 def _exit_when_gone(conn: socket.socket, replying: threading.Event) -> None:
-    """The command that handed us the job has died: end the worker (and the job) now. Once
-    the exit code is on its way, the command closing its end is no longer a death."""
+    """The command that handed us the job has died: end the job now. Once the exit code is
+    on its way, the command closing its end is no longer a death."""
     while not replying.is_set():
         try:
             ready, _, _ = select.select([conn], [], [], 0.2)
@@ -234,19 +306,18 @@ _LOG = None     # the worker's own log: a copy of its stdout made before any job
 
 
 def log(text: str) -> None:
-    print(f"{time.strftime('%H:%M:%S')} {text}", file=_LOG or sys.__stdout__, flush=True)
+    print(f"{time.strftime('%H:%M:%S')} [{os.getpid()}] {text}", file=_LOG or sys.__stdout__, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pkv.cli.worker_serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--socket", required=True, type=Path)
     p.add_argument("--idle-s", type=float, default=float(os.environ.get("PKV_WORKER_IDLE_S", IDLE_S)))
-    p.add_argument("--standby", action="store_true", help="serve once the current worker of --socket has gone")
     args = p.parse_args(argv)
     global _LOG
     _LOG = os.fdopen(os.dup(1), "w", buffering=1)
     try:
-        Worker(args.socket, args.idle_s, args.standby).serve()
+        Zygote(args.socket, args.idle_s).serve()
     except OSError as e:                        # another worker took the socket first
         log(f"not serving: {e}")
     return 0

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, workflow.basedir)  # this checkout's pkv package
-# Every job's `python3 -m pkv.cli` runs in a warm worker process (imports kept between jobs,
-# each GPU job in a fresh CUDA context; pkv/cli/worker.py); PKV_WORKER=off runs each alone.
+# Every job's `python3 -m pkv.cli` runs in a child forked from a warm worker that holds the
+# imports (each job a fresh process and CUDA context; pkv/cli/worker.py); PKV_WORKER=off runs each alone.
 os.environ.setdefault("PKV_WORKER", "on")
 
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coerce, effective, gpu_name, load_schema,
