@@ -81,9 +81,12 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
   scan_rows<kThreadsT>(len, inc, s_warp, s_nzw, &before, &total, nonzero);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    s_inc[tid * kPer + i] = before + inc[i];
-    s_len[tid * kPer + i] = len[i];
-    s_req[tid * kPer + i] = req[i];
+    const int r = tid * kPer + i;
+    if (r < R) {                              // nothing reads the rows past the step's
+      s_inc[r] = before + inc[i];
+      s_len[r] = len[i];
+      s_req[r] = req[i];
+    }
   }
   __syncthreads();
   return total;
