@@ -1,6 +1,6 @@
-"""workflow/next-reference.yaml, the next reference run's keys over config.yaml: it validates
-on the paper profile, names only engines and runners that exist, plans every stage of the
-run (the model step in `all` among them) and leaves the committed reference config alone."""
+"""config.yaml, the committed reference run's config: it validates on the paper profile,
+names only engines and runners that exist, is the config results/ was made with, and
+plans every stage of the run (the model step in `all` among them) from an empty results/."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 
 import yaml
 
-from pkv.config.resolve import config_hash, deep_merge, effective, load_schema, validate_config
+from pkv.config.resolve import config_hash, effective, load_schema, validate_config
 from pkv.config.typed import Config
 from pkv.engines import table
 from pkv.engines.model import GPU_ENGINES
@@ -20,12 +20,11 @@ from pkv.report.spec import TABLE_SPECS, in_all
 from worktree import REPO, copy_worktree
 
 RAW = yaml.safe_load((REPO / "config.yaml").read_text())
-NEXT = yaml.safe_load((REPO / "workflow" / "next-reference.yaml").read_text())
-PAPER = effective(deep_merge(RAW, NEXT), "paper")
+PAPER = effective(RAW, "paper")
 
 
 def test_it_validates_and_names_registered_engines():
-    validate_config(PAPER, load_schema(), "next reference run")
+    validate_config(PAPER, load_schema(), "reference run")
     cfg = Config.from_dict(PAPER)
     assert "pkv-graph" in cfg.engine_sets["main"] and "adaptive:objective=overlapped" in cfg.engine_sets["main"]
     specs = [*cfg.engine_sets["main"], *cfg.ablations.gqa_sweep.engines, *cfg.ablations.kv_fp8.engines,
@@ -35,17 +34,16 @@ def test_it_validates_and_names_registered_engines():
     assert step.engines == GPU_ENGINES and step.shapes == ("llama-8b", "llama-70b") and step.buckets == (1, 8)
 
 
-def test_the_model_step_is_in_its_all_and_not_in_the_committed_runs():
+def test_the_model_step_is_in_all_and_results_are_this_configs():
     assert in_all(TABLE_SPECS["model_step"], "paper", PAPER)
-    assert not in_all(TABLE_SPECS["model_step"], "paper", effective(RAW, "paper"))
     committed = json.loads((REPO / "results" / "config.json").read_text())
-    assert config_hash(effective(RAW, "paper")) == config_hash(committed) != config_hash(PAPER)
+    assert config_hash(committed) == config_hash(PAPER)
 
 
 def test_the_run_plans_every_stage(tmp_path):
     tree = copy_worktree(tmp_path, "results/")
-    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "all", "--configfile",
-                        "workflow/next-reference.yaml", "--config", "profile=paper", "run=reference"],
+    r = subprocess.run([sys.executable, "-m", "snakemake", "-n", "--cores", "1", "all", "--config", "profile=paper",
+                        "run=reference"],
                        cwd=tree, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     counts = dict(re.findall(r"^(\w+)\s+(\d+)$", r.stdout, flags=re.M))
