@@ -42,6 +42,7 @@ from tabulate import tabulate  # noqa: E402
 from pkv.engines.table import baselines, pkv_engines, pkv_routes
 from pkv.plan.costmodel import GRAPH, Constants, RouteCost, estimate  # noqa: E402
 from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
+from pkv.report.notes import provenance_line  # noqa: E402
 from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
 from pkv.report.ratios import modal_route, num, objective, routers, trace_label, trace_order  # noqa: E402
 from pkv.report.load import load  # noqa: E402
@@ -111,8 +112,9 @@ def _miss(x: float, bar: float) -> str:
     return " ✗" if np.isfinite(x) and x < bar else ""
 
 
-def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False) -> str:
-    """The table; `graph`: pkv-graph is among the candidates (constants with its fit)."""
+def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False, source: str = "") -> str:
+    """The table; `graph`: pkv-graph is among the candidates (constants with its fit); `source`:
+    the provenance of the files it was computed from (pkv.report.notes.provenance_line)."""
     lines = ["# Router regret: adaptive vs the best fixed route in hindsight", ""]
     if smoke:
         lines += [f"**{SMOKE_BANNER}**", ""]
@@ -158,7 +160,7 @@ def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False) -> st
             label = "device bar" if parts else f"Device bar (≥ {device_bar})"   # alone: name its bar
             parts.append(f"{label} on {int((dev >= device_bar).sum())} of {len(dev)} (min {dev.min():.3f})")
         lines += [(f"`{router}`: " if several else "") + "; ".join(parts) + "."]
-    lines += [""]
+    lines += [""] + ([f"Source: {source}.", ""] if source else [])
     return "\n".join(lines)
 
 
@@ -249,7 +251,8 @@ def regret_md(root: Path, constants: Path | None = None) -> str:
     root = Path(root)
     k = Constants.load(constants or root / "calibration" / "constants.json")
     serve = load(root, ("serve",))
-    return regret_markdown(regret(serve.frame, k), serve.smoke, graph="pkv-graph" in candidates(serve.frame, k))
+    return regret_markdown(regret(serve.frame, k), serve.smoke, graph="pkv-graph" in candidates(serve.frame, k),
+                           source=provenance_line(serve))
 
 
 def accuracy_png(root: Path, constants: Path | None = None) -> bytes:
