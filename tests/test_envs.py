@@ -60,7 +60,7 @@ def test_env_pins_the_versions_the_reference_run_used():
     pip = next(d["pip"] for d in ENV["dependencies"] if isinstance(d, dict))
     cuda_tag = "cu" + meta["cuda"].replace(".", "")
     assert any(line.startswith("--extra-index-url") and line.endswith(f"/whl/{cuda_tag}") for line in pip)
-    log = (ROOT / "results" / "logs" / "snakemake-run4a.log").read_text()
+    log = (ROOT / "results" / "logs" / "snakemake.log").read_text()
     assert _exact(pins, "snakemake") == re.search(r"Snakemake version: (\S+)", log).group(1)   # 9.27.1
     assert _exact(pins, "python") == re.search(r"Python version: (\S+)", log).group(1)         # 3.12.3
 

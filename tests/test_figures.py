@@ -89,11 +89,13 @@ def _model_frame(engines=("pkv-graph", "flashinfer-graph", "flashinfer-eager", "
     return pd.DataFrame(rows)
 
 
-def _check_model_figure(fig, panels: int, engines: int) -> None:
+def _check_model_figure(fig, panels: int, engines: int, lines: list[int] | None = None) -> None:
+    """`lines`: the engines of each panel (any order), where not every panel has all of them."""
     panels_drawn = [ax for ax in fig.axes if ax.get_visible()]
     assert len(panels_drawn) == panels
+    assert sorted(len(ax.get_lines()) for ax in panels_drawn) == sorted(lines or [engines] * panels), \
+        "one line per engine in every panel"
     for ax in panels_drawn:
-        assert len(ax.get_lines()) == engines, "one line per engine in every panel"
         assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
         assert not ax.xaxis.get_minorticklocs().size and not ax.yaxis.get_minorticklocs().size
     assert len(fig.legends) == 1 and len(fig.legends[0].get_texts()) == engines
@@ -108,10 +110,11 @@ def _check_model_figure(fig, panels: int, engines: int) -> None:
 
 
 def test_model_step_figure_of_the_committed_raw():
-    frame = _raw("model_step")   # the one-seed file before per-layer KV: no kv_dtype column
+    frame = _raw("model_step")   # every held-out seed and the external trace, 16-bit and FP8 KV
     fig = model.model_step_figure(frame, smoke=False)
     steps = frame[frame["kind"] == "step"]
-    _check_model_figure(fig, steps["model"].nunique() * steps["bucket"].nunique(), steps["engine"].nunique())
+    per = steps.groupby(["model", "kv_dtype", "bucket"])["engine"].nunique()   # FP8 panels: no adaptive
+    _check_model_figure(fig, len(per), steps["engine"].nunique(), list(per))
     bottom = [t.get_text() for t in fig.axes[-1].get_xticklabels() if t.get_text()]
     assert all(t.endswith("K") for t in bottom), bottom
     plt.close(fig)
@@ -171,13 +174,20 @@ def _check_serving(fig, engines: list[str]) -> None:
     _assert_plain(fig, "serving_ratios")
 
 
-def test_serving_ratios_of_the_committed_raw_plots_adaptive():
+def test_serving_ratios_of_the_committed_raw_plots_both_routers_and_pkv_graph():
     frame = _raw("serve")
-    assert figures.serving_engines(frame) == ["adaptive"]
+    engines = ["adaptive", "adaptive:objective=overlapped", "pkv-graph"]
+    assert figures.serving_engines(frame) == engines
     fig = figures.serving_ratios_figure(frame, smoke=False)
-    _check_serving(fig, ["adaptive"])
-    assert fig._suptitle.get_text().startswith("Adaptive route over")
-    plt.close(fig)
+    _check_serving(fig, engines)
+    assert fig._suptitle.get_text().startswith("Adaptive routes and pkv-graph over")
+    only = frame[frame["engine"] != "adaptive:objective=overlapped"]
+    only = only[only["engine"] != "pkv-graph"]                     # adaptive alone: its own title
+    assert figures.serving_engines(only) == ["adaptive"]
+    fig2 = figures.serving_ratios_figure(only, smoke=False)
+    _check_serving(fig2, ["adaptive"])
+    assert fig2._suptitle.get_text().startswith("Adaptive route over")
+    plt.close(fig), plt.close(fig2)
 
 
 def test_serving_ratios_plots_every_router_and_pkv_graph():

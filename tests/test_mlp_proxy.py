@@ -155,13 +155,17 @@ def test_the_correctness_check_reads_another_layer_than_layer_0():
 # ---------------------------------------------------------------- the config key
 
 
-def test_engines_default_to_adaptive_and_the_reference_config_is_unchanged():
+def test_engines_default_to_adaptive_and_the_reference_config_names_its_own():
     reference = json.loads((REPO / "results" / "config.json").read_text())
-    assert "engines" not in reference["mlp_proxy"] and "engines" not in RAW["mlp_proxy"]
+    assert reference["mlp_proxy"]["engines"] == RAW["mlp_proxy"]["engines"] == ["pkv-graph", "adaptive"]
     for cfg in (reference, effective(RAW, "paper")):
         t = Config.from_dict(cfg)
-        assert t.mlp_proxy.engines is None and t.mlp_proxy.specs == MLP_PROXY_ENGINES == ("adaptive",)
-        assert t.to_dict() == cfg
+        assert t.mlp_proxy.specs == ("pkv-graph", "adaptive") and t.to_dict() == cfg
+    absent = effective(RAW, "paper")
+    del absent["mlp_proxy"]["engines"]                  # where the section names none: adaptive alone
+    t = Config.from_dict(absent)
+    assert t.mlp_proxy.engines is None and t.mlp_proxy.specs == MLP_PROXY_ENGINES == ("adaptive",)
+    assert t.to_dict() == absent
     smoke = Config.from_dict(SMOKE)
     assert smoke.mlp_proxy.specs == ("pkv-graph", "adaptive") and smoke.to_dict() == SMOKE
     over = effective(RAW, "paper", {"mlp_proxy": {"engines": ["pkv-graph"]}})

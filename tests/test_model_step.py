@@ -98,11 +98,13 @@ def test_stage_rows_name_the_commands_and_their_flags():
 
 def test_the_section_is_optional_and_its_absence_is_the_profile_default():
     assert mp.settings(smoke_cfg()) == mp.PROFILE_DEFAULTS["smoke"]
-    assert mp.settings(Config.from_dict(effective(RAW, "paper"))) == mp.PROFILE_DEFAULTS["paper"]
+    paper = effective(RAW, "paper")
+    absent = {k: v for k, v in paper.items() if k != "model_step"}
+    assert mp.settings(Config.from_dict(absent)) == mp.PROFILE_DEFAULTS["paper"]
     got = mp.settings(smoke_cfg(steps=2, buckets=[2]))
     assert got.steps == 2 and got.buckets == (2,) and got.shapes == mp.PROFILE_DEFAULTS["smoke"].shapes
-    # config.yaml has no model_step section: the reference run's config (and hash) are as committed.
-    assert "model_step" not in RAW
+    # config.yaml's section (8 steps per seed) is the reference run's, whose config is committed.
+    assert mp.settings(Config.from_dict(paper)).steps == RAW["model_step"]["steps"] == 8
     committed = json.loads((REPO / "results" / "config.json").read_text())
     assert config_hash(effective(RAW, "paper", {"run": "reference"})) == config_hash(committed)
 

@@ -18,9 +18,12 @@ from pkv.core.shape import Shape
 
 
 def _config_engines(node) -> set[str]:
+    """Every engine name of the config, but the model step's: those name its runners (below)."""
     if isinstance(node, dict):
         out = set()
         for key, value in node.items():
+            if key == "model_step":
+                continue
             if key in ("engines", "baselines", "main"):
                 out |= {str(v).partition(":")[0] for v in value}
             else:
@@ -33,6 +36,11 @@ def test_every_configured_engine_is_registered():
     cfg = yaml.safe_load(open("config.yaml"))
     names = _config_engines(cfg)
     assert names and names <= set(table.ENGINES), names - set(table.ENGINES)
+    from pkv.engines.model import CPU_ENGINES, GPU_ENGINES
+
+    for section in (cfg, *(cfg.get(p, {}) for p in ("smoke",))):
+        runners = set(section.get("model_step", {}).get("engines", []))
+        assert runners <= {*GPU_ENGINES, *CPU_ENGINES}, runners
 
 
 def test_lists_derive_from_the_table():

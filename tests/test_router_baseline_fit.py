@@ -75,8 +75,10 @@ def test_estimates_use_the_fit_and_the_router_takes_the_faster_variant():
 
 def test_constants_round_trip_and_old_constants_have_no_fits():
     committed = json.loads((ROOT / "results" / "calibration" / "constants.json").read_text())
-    assert Constants.from_dict(committed).baseline_fit == {}
-    d = {**committed, "graph": {**{k: 1e-6 for k in GraphFit.KEYS}, "num_ctas": 264, "min_tiles": 4},
+    assert set(Constants.from_dict(committed).baseline_fit) == {"flashinfer", "flashinfer-tc"}
+    old = {k: v for k, v in committed.items() if k not in ("graph", "baseline_fit")}   # before router v4
+    assert Constants.from_dict(old).baseline_fit == {} and Constants.from_dict(old).graph is None
+    d = {**old, "graph": {**{k: 1e-6 for k in GraphFit.KEYS}, "num_ctas": 264, "min_tiles": 4},
          "baseline_fit": {"flashinfer": {**{k: getattr(CUDA_CORE, k) for k in BaselineFit.KEYS}, "rows": 9}}}
     assert Constants.from_dict(json.loads(json.dumps(d))).baseline_fit == {"flashinfer": CUDA_CORE}
     with pytest.raises(ValueError, match="out of range"):
@@ -84,13 +86,21 @@ def test_constants_round_trip_and_old_constants_have_no_fits():
 
 
 def test_the_committed_sweep_refits_to_the_committed_constants():
-    """The committed sweep has no pkv-graph rows: no graph fit, so no baseline fits either."""
+    """The committed sweep (with its pkv-graph and split-0 baseline rows) gives the committed
+    graph and baseline fits again; without those rows, neither fit."""
     committed = json.loads((ROOT / "results" / "calibration" / "constants.json").read_text())
     cal = pd.read_parquet(ROOT / "results" / "raw" / "calibrate" / "calibration.parquet")
     cfg = load_config(ROOT / "results" / "config.json")
     shape = shape_of(cfg)
     fitted = fit_constants(committed, cal, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
-    assert "baseline_fit" not in fitted and "graph" not in fitted
+    assert fitted["graph"] == pytest.approx(committed["graph"])
+    assert set(fitted["baseline_fit"]) == set(committed["baseline_fit"])
+    for name, fit in committed["baseline_fit"].items():
+        assert fitted["baseline_fit"][name] == pytest.approx(fit)
+    old = {k: v for k, v in committed.items() if k not in ("graph", "baseline_fit")}
+    before = cal[(cal["engine"] != "pkv-graph") & (cal["split"] != 0)]
+    refit = fit_constants(old, before, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
+    assert "baseline_fit" not in refit and "graph" not in refit
 
 
 def test_the_split_0_run_replays_graphs_where_the_config_times_them(monkeypatch):

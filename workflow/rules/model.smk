@@ -17,8 +17,8 @@ MODEL_STEP_EXTERNAL = STAGES["model_step_external"].file.format(name=external_id
 rule model_step:
     """Model-level decode step (pkv measure model-step): per-layer KV, one CUDA graph per bucket, every held-out seed in one process."""
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
     output:
         parquet=expand(out(f"{MODEL_STEP_RAW}/{STAGES['model_step'].file}"), seed=HELDOUT),
     params:
@@ -39,9 +39,9 @@ rule model_step:
 rule model_step_external:
     """Model-level decode step on the external request trace (pkv measure model-step-external)."""
     input:
-        config=rules.freeze_config.output.config,
-        constants=rules.calibrate_device.output.constants,
-        trace=C["external"]["path"],
+        config=inp(rules.freeze_config.output.config),
+        constants=inp(rules.calibrate_device.output.constants),
+        trace=inp(C["external"]["path"]),
     output:
         parquet=out(f"{MODEL_STEP_RAW}/{MODEL_STEP_EXTERNAL}"),
     log:
