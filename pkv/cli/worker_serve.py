@@ -160,9 +160,16 @@ class Zygote:
                 return
             # A GPU command takes the child preloaded for it; any other a plain fork made now.
             child = self.next if gpu else self._fork(listener, gpu=False)
-            conn.sendall(b"A")
-            socket.send_fds(child.sock, [struct.pack("!Q", len(payload))], [conn.fileno(), *fds])
-            child.sock.sendall(payload)
+            try:
+                conn.sendall(b"A")
+                socket.send_fds(child.sock, [struct.pack("!Q", len(payload))], [conn.fileno(), *fds])
+                child.sock.sendall(payload)
+            except OSError:
+                if not gpu:                  # a plain fork nobody will hand a command to
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(child.pid, signal.SIGKILL)
+                    child.reap()
+                raise
             self.running = child
             if gpu:
                 self.next = None
@@ -180,6 +187,10 @@ class Zygote:
             try:
                 listener.close()
                 ours.close()
+                for c in (self.next, self.running, *self.exiting):   # the other children's ends
+                    if c is not None:
+                        c.sock.close()
+                        os.close(c.fd)
                 _child(theirs, gpu)
             except BaseException:
                 log(traceback.format_exc())
