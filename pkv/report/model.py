@@ -28,6 +28,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 from tabulate import tabulate
 
+from pkv.report.notes import provenance_of
 from pkv.core.io import atomic_write_bytes, atomic_write_text, read_meta
 from pkv.config.resolve import SMOKE_BANNER
 from pkv.report.ratios import mean_sd, modal_route, num
@@ -156,10 +157,8 @@ CAPTION_KV = (CAPTION.split(" Every layer reads")[0] + " Every layer attends ove
 
 
 def provenance_line(metas: list[dict]) -> str:
-    keys = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
-    parts = [f"{len(metas)} Parquet file(s)"]
-    for k in keys:
-        parts.append(f"{k}: {', '.join(sorted({m.get(k, 'unknown') for m in metas})) or '–'}")
+    """The common provenance (pkv.report.notes.provenance_of) and what only the model step records."""
+    parts = [provenance_of(metas)]
     skipped = sorted({j for m in metas for j in _json_list(m.get("skipped", "[]"))})
     if skipped:
         parts.append(f"skipped past the time budget: {', '.join(skipped)}")

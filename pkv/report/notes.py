@@ -7,12 +7,19 @@ from pkv.engines import table
 from pkv.report.load import Raw
 
 
-def provenance_line(raw: Raw) -> str:
-    keys = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
-    parts = [f"{len(raw.metas)} Parquet file(s)"]
-    for k in keys:
-        parts.append(f"{k}: {', '.join(sorted({m.get(k, 'unknown') for m in raw.metas})) or '–'}")
+PROVENANCE = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
+
+
+def provenance_of(metas: list[dict]) -> str:
+    """The Source line's body: how many files, and each provenance key's values among them."""
+    parts = [f"{len(metas)} Parquet file(s)"]
+    for k in PROVENANCE:
+        parts.append(f"{k}: {', '.join(sorted({m.get(k, 'unknown') for m in metas})) or '–'}")
     return "; ".join(parts)
+
+
+def provenance_line(raw: Raw) -> str:
+    return provenance_of(raw.metas)
 
 
 def missing_note(raw: Raw) -> str:
