@@ -149,11 +149,11 @@ class Zygote:
             head, fds, _, _ = socket.recv_fds(conn, 8, 2)
             payload = _recv_exact(conn, struct.unpack("!Q", head)[0])
             conn.settimeout(None)
-            json.loads(payload or b"null")["argv"]
+            command = _command(json.loads(payload or b"null")["argv"])
         except (OSError, ValueError, TypeError, KeyError, struct.error):
-            payload = None
+            payload = command = None
         try:
-            gpu = self.gpu and payload is not None and _command(json.loads(payload)["argv"]) in GPU_COMMANDS
+            gpu = self.gpu and command in GPU_COMMANDS
             if payload is None or len(fds) != 2 or self.running is not None or (gpu and self.next is None):
                 with contextlib.suppress(OSError):
                     conn.sendall(b"B")       # busy (one command at a time): it runs in its own process

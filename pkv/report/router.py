@@ -105,7 +105,7 @@ def _regret_row(ad: pd.DataFrame, router: str, family: str, batch: int, seed: in
 
 def _bars(router: str) -> tuple[float, float]:
     """(wall, device) bars of a router's rows: the overlapped objective is judged on device time only."""
-    return (-math.inf, OVERLAPPED_BAR) if "objective=overlapped" in router else (WALL_BAR, DEVICE_BAR)
+    return (-math.inf, OVERLAPPED_BAR) if objective(router) == "overlapped" else (WALL_BAR, DEVICE_BAR)
 
 
 def _miss(x: float, bar: float) -> str:
