@@ -110,8 +110,10 @@ def test_the_split_0_run_replays_graphs_where_the_config_times_them(monkeypatch)
 
     cfg = effective(yaml.safe_load((ROOT / "config.yaml").read_text()), "smoke")
     cfg["measure"]["graph"] = True
-    seen = []
-    monkeypatch.setattr(calibrate, "measure", lambda job, cache, steps, engines, *a, graph, **kw: (
-        seen.append((job.split, graph)), pd.DataFrame())[1])
+    from test_router_v4 import fake_measure
+
+    runs = []
+    monkeypatch.setattr(calibrate, "measure", fake_measure(runs, {}))
     calibrate.sweep(cfg, cpu_constants(operating_points={}))
+    seen = [(run[3], run[6]) for run in runs]
     assert seen and all(graph == (split == 0) for split, graph in seen) and any(g for _, g in seen)

@@ -146,24 +146,46 @@ def test_graph_rows_join_the_sweep_without_moving_the_other_fits():
                                         shape.num_kv_heads)
 
 
+def fake_measure(seen: list, fastest: dict):
+    """A stand-in for pkv.measure.loop.measure that records each run (job, engines and the
+    scheduled engines' splits) and returns one row per engine, the wall time least at
+    `fastest[kind]` (the split the grid should choose for that route)."""
+    def run(job, cache, steps, engines, *a, **kw):
+        splits = {name: e.policy.splits for name, e in engines.items() if hasattr(e, "policy")}
+        seen.append((job.family, job.max_active, job.seed, job.split, tuple(engines), splits, kw.get("graph")))
+        rows = [{"engine": name, "family": job.family, "max_active": job.max_active, "split": job.split, "active": 1,
+                 "wall_s": 1.0 + abs(job.split - fastest.get(name.removeprefix("pkv-"), job.split))}
+                for name in engines]
+        return pd.DataFrame(rows)
+    return run
+
+
 def test_the_sweep_runs_pkv_graph_once_per_point_on_the_calibration_seed(monkeypatch):
-    """Per serving point: the scheduled routes at every split of the grid, then the baselines
-    and pkv-graph once (split 0), all on the calibration seed."""
+    """Per serving point: the scheduled routes at every split of the grid, then the baselines,
+    pkv-graph and the scheduled routes once more (split 0), these at the splits the grid
+    chose, all on the calibration seed."""
     import yaml
 
     from pkv.config.resolve import effective
     from pkv.measure import calibrate
 
     cfg = effective(yaml.safe_load((ROOT / "config.yaml").read_text()), "smoke")
-    seen = []
-    monkeypatch.setattr(calibrate, "measure", lambda job, cache, steps, engines, *a, **kw: (
-        seen.append((job.family, job.max_active, job.seed, job.split, tuple(engines))), pd.DataFrame())[1])
-    calibrate.sweep(cfg, cpu_constants(operating_points={}))
     grid = cfg["calibration"]["split_grid"]
+    fastest = {"workqueue": grid[-1], "bucket": grid[0]}
+    seen = []
+    monkeypatch.setattr(calibrate, "measure", fake_measure(seen, fastest))
+    frame = calibrate.sweep(cfg, cpu_constants(operating_points={}))
     assert {s[2] for s in seen} == {cfg["seeds"]["calibration"]}
     for p in cfg["serving"]:
-        runs = [(split, engines) for f, b, _, split, engines in seen if (f, b) == (p["family"], p["max_active"])]
-        assert runs == [*((s, ("reference", "pkv-workqueue", "pkv-bucket")) for s in grid), (0, ("reference", "pkv-graph"))]
+        runs = [(split, engines, splits) for f, b, _, split, engines, splits, _ in seen
+                if (f, b) == (p["family"], p["max_active"])]
+        assert runs == [*((s, ("reference", "pkv-workqueue", "pkv-bucket"), {"pkv-workqueue": s, "pkv-bucket": s})
+                          for s in grid),
+                        (0, ("reference", "pkv-graph", "pkv-workqueue", "pkv-bucket"),
+                         {"pkv-workqueue": fastest["workqueue"], "pkv-bucket": fastest["bucket"]})]
+    # The split-0 rows are not a split of the grid: the operating points are the grid's choice.
+    assert all(v == {"workqueue": fastest["workqueue"], "bucket": fastest["bucket"]}
+               for v in operating_points(frame).values())
 
 
 # ---------------------------------------------------------------- old constants, objective

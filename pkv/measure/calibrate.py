@@ -19,6 +19,13 @@ pkv-graph (Router v4) runs once per operating point (it has no split) beside the
 baselines; its device fit (`fit_graph`: fixed cost, seconds per KV byte and per merge
 byte, by non-negative least squares in relative error over its rows' device time and
 counters) is `constants["graph"]`, and its host time is H_graph of fit_host_s.
+
+The same split-0 run (Router v4.2) runs the host-scheduled routes once more, at the split
+the grid just chose for the point (split 0 in their rows: "the engine's own", as in a serving
+run), so that they too are graph-replayed: their device fits (`fit_route`, the roofline's
+terms with each route's own coefficients, `constants["route_fit"]`) and their H_r are made on
+replay, not on CUDA events, whose span holds the host's submission of the launches. The
+split choice and C_min / lambda stay the split grid's (split-0 rows are not in them).
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ import numpy as np
 import pandas as pd
 import torch
 
+import dataclasses
 from itertools import combinations
 
 from pkv.engines.table import pkv_engines, pkv_routes
-from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, estimate
+from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
 from pkv.measure.loop import Job, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
@@ -92,7 +100,8 @@ def unscheduled_routes() -> list[str]:
 
 def sweep(cfg: Config | dict, provisional: Constants) -> pd.DataFrame:
     """Every serving point on the calibration seed: baselines and the host-scheduled PKV
-    routes per split, then the baselines and pkv-graph once (split 0: the engine's own)."""
+    routes per split, then once more (split 0: the engine's own) the baselines, pkv-graph
+    and the host-scheduled routes at the split the grid chose for the point."""
     t = Config.of(cfg)
     c = t.calibration
     seed = t.seeds.calibration
@@ -103,15 +112,22 @@ def sweep(cfg: Config | dict, provisional: Constants) -> pd.DataFrame:
         cache = build_cache(t, trace, shape, t.measure.holes, seed)
         steps = steps_of(trace, p.max_active, c.max_steps)
         point = point_key(p.family, p.max_active)
-        runs = [(split, [*t.baselines, *scheduled_routes()]) for split in c.split_grid]
-        runs += [(0, [*t.baselines, *unscheduled_routes()])] if unscheduled_routes() else []
-        for split, specs in runs:
-            engines = build_engines(specs, cache, provisional, point, split or None)
+        grid = []
+        for split in c.split_grid:
+            engines = build_engines([*t.baselines, *scheduled_routes()], cache, provisional, point, split)
             job = Job("calibrate", trace.name, p.family, p.max_active, seed, shape.group, split)
-            # The split-0 run also replays each step's CUDA graph (where the config times
-            # graphs): the device time the baselines' and pkv-graph's fits are made on.
-            frames.append(measure(job, cache, steps, engines, t.baselines[0], tolerance(t),
-                                  t.measure.reference_every, graph=t.measure.graph and split == 0))
+            grid.append(measure(job, cache, steps, engines, t.baselines[0], tolerance(t), t.measure.reference_every,
+                                graph=False))
+        frames += grid
+        # The split-0 run also replays each step's CUDA graph (where the config times
+        # graphs): the device time the baselines', pkv-graph's and the scheduled routes'
+        # fits are made on. Its scheduled routes run at the splits just chosen.
+        chosen = operating_points(pd.concat(grid, ignore_index=True))[point]
+        k = dataclasses.replace(provisional, operating_points={**provisional.operating_points, point: chosen})
+        engines = build_engines([*t.baselines, *unscheduled_routes(), *scheduled_routes()], cache, k, point)
+        job = Job("calibrate", trace.name, p.family, p.max_active, seed, shape.group, 0)
+        frames.append(measure(job, cache, steps, engines, t.baselines[0], tolerance(t), t.measure.reference_every,
+                              graph=t.measure.graph))
     return pd.concat(frames, ignore_index=True)
 
 
@@ -124,10 +140,16 @@ def _best_split(rows: pd.DataFrame) -> int:
     return int(max(sorted(rows["split"].unique()), key=lambda s: _throughput(rows[rows["split"] == s])))
 
 
+def _grid(frame: pd.DataFrame) -> pd.DataFrame:
+    """The split grid's rows: split 0 (the engine's own, the replayed run) is not a split of it."""
+    return frame[frame["split"] != 0] if "split" in frame else frame
+
+
 def operating_points(frame: pd.DataFrame) -> dict:
-    """(family, batch) -> {kind: split with the best wall throughput; ties to the smaller}."""
+    """(family, batch) -> {kind: split with the best wall throughput over the split grid;
+    ties to the smaller}."""
     points = {}
-    for (family, batch), rows in frame.groupby(["family", "max_active"], sort=True):
+    for (family, batch), rows in _grid(frame).groupby(["family", "max_active"], sort=True):
         points[point_key(family, int(batch))] = {
             kind: _best_split(rows[rows["engine"] == name]) for name, kind in scheduled_routes().items()
         }
@@ -174,6 +196,7 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     bimodal B4 it costed the workqueue's 96 CTAs at 2.7x the bytes time and the bucket
     route's 8 launches at 79 us, so the router took the bucket route that ran slower on
     every measure (results/raw/serve/bimodal-b4-*)."""
+    frame = _grid(frame)
     rows = frame[frame["engine"].isin(list(scheduled_routes())) & frame["decode_ctas"].notna()]
     if rows.empty:
         raise ValueError("no PersistentKV rows to fit C_min and lambda on")
@@ -252,6 +275,34 @@ def fit_baseline(frame: pd.DataFrame, baseline: str, kv_bytes_per_token: int) ->
     return {**{key: getattr(fit, key) for key in BaselineFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
 
 
+def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
+    """A host-scheduled route's RouteFit from its split-0 rows of the sweep (those the frozen
+    split ran; graph-replayed where there are any), or None without them (a sweep before
+    Router v4.2): T = fixed + KV bytes * a * max(1, C / occupancy) + merge bytes * b +
+    launches * l, the coefficients non-negative and minimizing the squared relative error
+    against the device time, C the best of the FIT_C_MIN grid (occupancy = decode CTAs / SMs)."""
+    rows = frame[(frame["engine"] == engine) & (frame["split"] == 0) & frame["decode_ctas"].notna()]
+    rows = _replayed(rows)
+    if rows.empty:
+        return None
+    measured = _device(rows)
+    kv = rows["useful_kv_bytes"].to_numpy(dtype=float)
+    occupancy = rows["decode_ctas"].to_numpy(dtype=float) / sm_count
+    rest = [rows["merge_bytes"].to_numpy(dtype=float), rows["launches"].to_numpy(dtype=float)]
+    best = None
+    for c_min in FIT_C_MIN:
+        stall = np.where(occupancy > 0, np.maximum(1.0, c_min / np.maximum(occupancy, 1e-12)), c_min)
+        features = np.column_stack([np.ones(len(rows)), kv * stall, *rest])
+        x = nonnegative_lstsq(features / measured[:, None], np.ones(len(measured)))
+        loss = float(np.sum((features @ x / measured - 1) ** 2))
+        if best is None or loss < best[0]:
+            best = (loss, c_min, x, features)
+    _, c_min, x, features = best
+    fit = RouteFit(float(x[0]), float(x[1]), float(c_min), float(x[2]), float(x[3]))
+    err = float(np.sqrt(np.mean(np.log((features @ x) / measured) ** 2)))
+    return {**{key: getattr(fit, key) for key in RouteFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
+
+
 def fit_host_s(frame: pd.DataFrame) -> dict:
     """Route -> median seconds per step the host spends outside the device span; empty
     where nothing was timed with CUDA events (the CPU smoke profile). The span is the one
@@ -289,6 +340,11 @@ def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv
                                      for b in baselines}
     # After the CTA fit, which models device time only.
     out["host_s"] = fit_host_s(frame)
+    # Router v4.2: the host-scheduled routes' own device fits (sweeps without their split-0
+    # rows have none and keep the roofline above).
+    routes = {kind: fit_route(frame, name, out["sm_count"]) for name, kind in scheduled_routes().items()}
+    if any(f is not None for f in routes.values()):
+        out["route_fit"] = {kind: f for kind, f in routes.items() if f is not None}
     graph = fit_graph(frame)
     if graph is not None:
         out["graph"] = graph

@@ -33,6 +33,18 @@ cannot tell FlashInfer's CUDA-core decode from its tensor-core one, and it put b
 pkv-graph's fit at B4-B8, so the overlapped router took the slower variant (the H200 probe at
 edc9451: device ratio 0.79-0.87 of the faster FlashInfer at homogeneous and bimodal B4/B8).
 
+A host-scheduled PersistentKV route (bucket, workqueue) with a `RouteFit` in the constants
+(calibrated since Router v4.2) is costed by it instead of the shared roofline:
+
+    T = fixed_s + KVBytes * s_per_kv_byte * max(1, c_min / C_r) + MergeBytes * s_per_merge_byte
+        + L_r * s_per_launch
+
+the roofline's form with the route's own coefficients, fitted on its graph-replayed calibration
+rows at its frozen split. The shared roofline's C_min and lambda are fitted on CUDA events of
+the split grid, and the event span around run() holds the host's submission of the launches
+(40-70 us on the H200): it put the workqueue at 72.6 us on homogeneous B1 against 50.4 us of
+graph replay (results at 4c7ddb8), so the overlapped router never took a v3 route.
+
 The objective says what a step costs: `serial` (device + H_r: the paper's synchronized
 loop, the default) or `overlapped` (device time only: a scheduler that hides host work
 behind the GPU).
@@ -110,6 +122,34 @@ class BaselineFit:
 
 
 @dataclass(frozen=True)
+class RouteFit:
+    """A host-scheduled PersistentKV route's fitted device time (bucket, workqueue): the
+    roofline's terms with the route's own coefficients and occupancy target."""
+
+    fixed_s: float            # per-step latency of the route's launches
+    s_per_kv_byte: float      # 1 / streaming bandwidth at full occupancy
+    c_min: float              # occupancy target, decode CTAs per SM, below which streaming stalls
+    s_per_merge_byte: float   # per partial-state byte (written, then merged)
+    s_per_launch: float       # per launch inside the step's device span
+
+    KEYS = ("fixed_s", "s_per_kv_byte", "c_min", "s_per_merge_byte", "s_per_launch")
+
+    def __post_init__(self) -> None:
+        if min(self.fixed_s, self.s_per_kv_byte, self.s_per_merge_byte, self.s_per_launch) < 0 or self.c_min <= 0:
+            raise ValueError(f"route fit out of range: {self}")
+
+    def device_s(self, cost: "RouteCost", sm_count: int) -> float:
+        occupancy = cost.ctas / sm_count
+        stall = max(1.0, self.c_min / occupancy) if occupancy > 0 else self.c_min
+        return (self.fixed_s + cost.kv_bytes * self.s_per_kv_byte * stall + cost.merge_bytes * self.s_per_merge_byte
+                + cost.launches * self.s_per_launch)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RouteFit":
+        return cls(*(float(d[key]) for key in cls.KEYS))
+
+
+@dataclass(frozen=True)
 class Constants:
     device: str
     beta: float                      # streaming bandwidth, bytes/s
@@ -125,6 +165,7 @@ class Constants:
     host_s: dict = field(default_factory=dict)             # route -> H_r, seconds per step
     graph: GraphFit | None = None                          # pkv-graph's device fit; None: not offered
     baseline_fit: dict = field(default_factory=dict)       # FlashInfer route -> BaselineFit; absent: roofline
+    route_fit: dict = field(default_factory=dict)          # "bucket"/"workqueue" -> RouteFit; absent: roofline
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
@@ -167,6 +208,7 @@ class Constants:
             host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
             graph=GraphFit.from_dict(d["graph"]) if d.get("graph") else None,
             baseline_fit={r: BaselineFit.from_dict(v) for r, v in d.get("baseline_fit", {}).items()},
+            route_fit={r: RouteFit.from_dict(v) for r, v in d.get("route_fit", {}).items()},
         )
 
     @classmethod
@@ -193,13 +235,15 @@ def check_objective(objective: str) -> str:
 
 
 def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
-    """T_r of `cost`: device time (the roofline, or pkv-graph's fit) plus H_r when serial."""
+    """T_r of `cost`: device time (the route's fit, else the roofline) plus H_r when serial."""
     if cost.route == GRAPH:
         if k.graph is None:
             raise ValueError("these constants have no pkv-graph fit (calibrated before Router v4)")
         device = k.graph.device_s(cost)
     elif cost.route in k.baseline_fit:
         device = k.baseline_fit[cost.route].device_s(cost)
+    elif cost.route in k.route_fit:
+        device = k.route_fit[cost.route].device_s(cost, k.sm_count)
     else:
         occupancy = cost.ctas / k.sm_count
         stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
