@@ -126,6 +126,48 @@ def test_margin_depends_on_active_count():
     assert H200_LIKE.margin(5000) == 1.05   # past the last row: the last margin
 
 
+def test_the_overlapped_objective_promotes_by_its_own_margins_where_given():
+    """policy.overlapped_margins (optional): the overlapped objective's margins; absent, both
+    objectives promote by `margins` (the committed constants)."""
+    base = [RouteCost("flashinfer", 1e9, 132 * 4, 1, 0)]
+    t = estimate(base[0], H200_LIKE)
+    cand = [RouteCost("workqueue", (t / 1.03 - 5e-6) * 4.0e12, 132 * 4, 1, 0)]    # 3 % faster on the device
+    for objective in ("serial", "overlapped"):
+        assert choose(base, cand, active=1, k=H200_LIKE, objective=objective).route == "flashinfer"
+    k = dataclasses.replace(H200_LIKE, overlapped_margins=((3, 1.0), (6, 1.5), (1024, 1.05)))
+    assert choose(base, cand, active=1, k=k, objective="overlapped").route == "workqueue"
+    assert choose(base, cand, active=1, k=k, objective="serial").route == "flashinfer"
+    assert choose(base, cand, active=4, k=k, objective="overlapped").route == "flashinfer"
+    assert (k.margin(1, "overlapped"), k.margin(1), k.margin(5000, "overlapped")) == (1.0, 1.05, 1.05)
+    d = {"device": "d", "beta_bytes_per_s": 4e12, "launch_overhead_s": 5e-6, "sm_count": 132, "c_min": 1.0,
+         "baseline_ctas_per_head": {"flashinfer": 2.0}, "margins": [{"max_active": 1024, "margin": 1.05}],
+         "supported_groups": [4], "min_context": 1, "min_tiles_per_split": 4}
+    assert Constants.from_dict(d).overlapped_margins == ()
+    d["overlapped_margins"] = [{"max_active": 3, "margin": 1.0}, {"max_active": 1024, "margin": 1.02}]
+    assert Constants.from_dict(d).overlapped_margins == ((3, 1.0), (1024, 1.02))
+
+
+def test_calibration_copies_the_overlapped_margins_from_the_config(monkeypatch):
+    import yaml
+    from pathlib import Path
+
+    from pkv.config.resolve import effective, load_schema, validate_config
+    from pkv.config.typed import Config
+    from pkv.measure import calibrate
+
+    root = Path(__file__).resolve().parents[1]
+    cfg = effective(yaml.safe_load((root / "config.yaml").read_text()), "smoke")
+    monkeypatch.setattr(calibrate, "sweep", lambda cfg, provisional: pd.DataFrame())
+    monkeypatch.setattr(calibrate, "fit_constants", lambda constants, frame, *a: constants)
+    assert "overlapped_margins" not in calibrate.calibrate(cfg)[0]
+    cfg["policy"]["overlapped_margins"] = [{"max_active": 3, "margin": 1.0}, {"max_active": 1024, "margin": 1.05}]
+    validate_config(cfg, load_schema(), "test")
+    assert Config.of(cfg).policy.overlapped_margins[0].margin == 1.0
+    got = calibrate.calibrate(cfg)[0]
+    assert got["overlapped_margins"] == cfg["policy"]["overlapped_margins"]
+    assert Constants.from_dict({**got, "baseline_ctas_per_head": {"reference": 1.0}}).margin(1, "overlapped") == 1.0
+
+
 def test_gates_group_and_context():
     long = np.array([65536], dtype=np.int32)
     assert eligible(SHAPE, long, H200_LIKE)

@@ -373,6 +373,7 @@ def calibrate(cfg: Config | dict) -> tuple[dict, pd.DataFrame]:
         **measured, "c_min": 1.0, "baseline_ctas_per_head": {b: 1.0 for b in t.baselines},
         "margins": policy["margins"], "supported_groups": policy["supported_groups"],
         "min_context": policy["min_context"], "min_tiles_per_split": policy["min_tiles_per_split"],
+        **({"overlapped_margins": policy["overlapped_margins"]} if "overlapped_margins" in policy else {}),
     }
     frame = sweep(t, Constants.from_dict(constants))
     constants = fit_constants(constants, frame, list(t.baselines), shape.kv_bytes_per_token, shape.num_kv_heads)

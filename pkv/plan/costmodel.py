@@ -47,7 +47,11 @@ graph replay (results at 4c7ddb8), so the overlapped router never took a v3 rout
 
 The objective says what a step costs: `serial` (device + H_r: the paper's synchronized
 loop, the default) or `overlapped` (device time only: a scheduler that hides host work
-behind the GPU).
+behind the GPU). The overlapped objective promotes by its own margins where the config sets
+them (`policy.overlapped_margins`), else by the serial ones: a margin m keeps FlashInfer where
+a route is up to m times faster, so a bar of 0.97 of the best fixed route on device time
+needs m <= 1/0.97 at the batches where the routes are that close (B1 at 4c7ddb8: the
+workqueue 3.9-5.8 % ahead of FlashInfer-TC against the margin 1.05).
 All constants come from `constants.json` written by `pkv calibrate` on the GPU present.
 
 This module is long because the Router's per-step fast path restates the route cost
@@ -166,6 +170,7 @@ class Constants:
     graph: GraphFit | None = None                          # pkv-graph's device fit; None: not offered
     baseline_fit: dict = field(default_factory=dict)       # FlashInfer route -> BaselineFit; absent: roofline
     route_fit: dict = field(default_factory=dict)          # "bucket"/"workqueue" -> RouteFit; absent: roofline
+    overlapped_margins: tuple = ()                         # the overlapped objective's margins; empty: `margins`
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
@@ -176,11 +181,15 @@ class Constants:
         if not self.baseline_ctas_per_head:
             raise ValueError("constants name no baseline route")
 
-    def margin(self, active: int) -> float:
-        for max_active, margin in self.margins:
+    def margin(self, active: int, objective: str = "serial") -> float:
+        """The promotion margin of a step of `active` rows: the first row whose max_active is
+        at least `active` (past the last, the last), of the objective's own margins where the
+        constants have them (`overlapped_margins`), else of `margins`."""
+        margins = self.overlapped_margins if objective == "overlapped" and self.overlapped_margins else self.margins
+        for max_active, margin in margins:
             if active <= max_active:
                 return float(margin)
-        return float(self.margins[-1][1])
+        return float(margins[-1][1])
 
     def split(self, point: str, kind: str) -> int:
         """Frozen split of schedule `kind` at operating point `point` (fused uses workqueue's,
@@ -202,7 +211,7 @@ class Constants:
             device=d["device"], beta=float(d["beta_bytes_per_s"]), launch_s=float(d["launch_overhead_s"]),
             sm_count=int(d["sm_count"]), c_min=float(d["c_min"]),
             baseline_ctas_per_head={k: float(v) for k, v in d["baseline_ctas_per_head"].items()},
-            margins=tuple((int(m["max_active"]), float(m["margin"])) for m in d["margins"]),
+            margins=_margins(d["margins"]), overlapped_margins=_margins(d.get("overlapped_margins") or ()),
             supported_groups=tuple(int(g) for g in d["supported_groups"]), min_context=int(d["min_context"]),
             min_tiles_per_split=int(d["min_tiles_per_split"]), operating_points=d.get("operating_points", {}),
             host_s={k: float(v) for k, v in d.get("host_s", {}).items()},
@@ -214,6 +223,10 @@ class Constants:
     @classmethod
     def load(cls, path: str | Path) -> "Constants":
         return cls.from_dict(json.loads(Path(path).read_text()))
+
+
+def _margins(rows) -> tuple:
+    return tuple((int(m["max_active"]), float(m["margin"])) for m in rows)
 
 
 @dataclass(frozen=True)
@@ -356,7 +369,7 @@ def choose(baselines: list[RouteCost], candidates: list[RouteCost], active: int,
     base = min(baselines, key=lambda c: (est[c.route], c.route)).route
     if candidates:
         best = min(candidates, key=lambda c: (est[c.route], c.route)).route
-        if est[base] >= k.margin(active) * est[best]:
+        if est[base] >= k.margin(active, objective) * est[best]:
             return Decision(best, est[best], est)
     return Decision(base, est[base], est)
 
