@@ -135,18 +135,39 @@ template <int D, bool kFp8> struct KvPipe {
       const KvT* kv = reinterpret_cast<const KvT*>(a.kv);
       const int t0 = tok0(j);
       const uint32_t stage = k_stage(j);
+      if (P >= kChunk && t0 + C::kStepTokens <= a.t_end) {
+        // v5.6: a whole step inside the range and each sub-chunk inside one page (t0 is
+        // 16-aligned): one address per sub-chunk, then a pointer step per copy, no
+        // per-copy page lookup, wrap or bound (the prologue's copies were 1.4 us of issue
+        // work at B1 1K: docs/perf-notes.md).
+        constexpr int kTokPerIt = 32 / C::kPieces, kIts = kChunk * C::kPieces / 32;
+        const int lane_tok = lane / C::kPieces, piece = lane % C::kPieces;
+        const int64_t it_step = kTokPerIt * a.tok_stride;
 #pragma unroll
-      for (int it = 0; it < C::kStepTokens * C::kPieces / 32; ++it) {
-        const int idx = it * 32 + lane;
-        const int tok = idx / C::kPieces, piece = idx % C::kPieces;
-        const int t = t0 + tok;
-        const bool ok = t < a.t_end;
-        const int page = P >= kChunk ? pg.id[it * 32 / (kChunk * C::kPieces)]
-                                     : (ok ? __ldg(a.bt + (t >> a.page_shift)) : 0);
-        const KvT* src = kv + page * a.page_elems + a.head_off + (t & (P - 1)) * a.tok_stride + piece * (16 / sizeof(KvT));
-        const uint32_t dst = stage + C::offset(tok, piece);
-        cp_async16(dst, ok ? src : kv, ok ? 16 : 0);
-        cp_async16(dst + C::kHalfBytes, ok ? src + a.v_off : kv, ok ? 16 : 0);
+        for (int i = 0; i < C::kSub; ++i) {
+          const KvT* src = kv + pg.id[i] * a.page_elems + a.head_off +
+                           (((t0 + i * kChunk) & (P - 1)) + lane_tok) * a.tok_stride + piece * (16 / sizeof(KvT));
+#pragma unroll
+          for (int it = 0; it < kIts; ++it, src += it_step) {
+            const uint32_t dst = stage + C::offset(i * kChunk + it * kTokPerIt + lane_tok, piece);
+            cp_async16(dst, src);
+            cp_async16(dst + C::kHalfBytes, src + a.v_off);
+          }
+        }
+      } else {  // the range's last step, or pages under 16 tokens: per-copy page and bound
+#pragma unroll
+        for (int it = 0; it < C::kStepTokens * C::kPieces / 32; ++it) {
+          const int idx = it * 32 + lane;
+          const int tok = idx / C::kPieces, piece = idx % C::kPieces;
+          const int t = t0 + tok;
+          const bool ok = t < a.t_end;
+          const int page = P >= kChunk ? pg.id[it * 32 / (kChunk * C::kPieces)]
+                                       : (ok ? __ldg(a.bt + (t >> a.page_shift)) : 0);
+          const KvT* src = kv + page * a.page_elems + a.head_off + (t & (P - 1)) * a.tok_stride + piece * (16 / sizeof(KvT));
+          const uint32_t dst = stage + C::offset(tok, piece);
+          cp_async16(dst, ok ? src : kv, ok ? 16 : 0);
+          cp_async16(dst + C::kHalfBytes, ok ? src + a.v_off : kv, ok ? 16 : 0);
+        }
       }
       if constexpr (kFp8) {
         // Each sub-chunk's page factors travel with its bytes (pages of >= 16 tokens: the

@@ -165,8 +165,9 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.page_shift = 63 - __builtin_clzll(static_cast<unsigned long long>(P));
   p.num_ctas = static_cast<int>(num_ctas);
   p.min_tiles = static_cast<int>(min_tiles);
-  TORCH_CHECK(merge >= 0 && merge <= 2, "pkv.graph_decode: merge is 1 (PDL merge kernel), 2 (the same, launched "
-              "as the decode exits) or 0 (last-CTA merge)");
+  TORCH_CHECK(merge >= 0 && merge <= 3, "pkv.graph_decode: merge is 1 (short segments by their last CTA, long "
+              "ones by the PDL merge kernel), 0 (every one by its last CTA), 3 (every one by the merge kernel) or 2 "
+              "(as 3, launched as the decode exits)");
   p.merge = static_cast<int>(merge);
   p.scale_log2 = static_cast<float>(M_LOG2E * sm_scale);
   p.k_scale = static_cast<float>(k_scale);

@@ -1,5 +1,5 @@
-// PersistentKV v4/v5 decode: device-decided splits; cut segments merged by a programmatic-
-// dependent merge kernel (v5, merge = 1) or by the segment's last CTA (v4, merge = 0).
+// PersistentKV v4/v5 decode: device-decided splits; cut segments merged by the segment's last
+// CTA (short ones, and all under merge = 0) or by a programmatic-dependent merge kernel.
 // graph_decode.h says what the launch computes.
 #include "graph_decode.h"
 
@@ -13,6 +13,25 @@ __device__ unsigned long long g_trace[kTraceRecords * kTraceFields];
 #endif
 
 constexpr int kMergeThreads = 128;
+static_assert(kMergeThreads == kThreads, "the last-CTA merge runs merge_slice on a decode CTA");
+// States a decode CTA's merge loads per round (merge = 0): its registers are free by then.
+constexpr int kLastCtaInFlight = 8;
+
+// v5.7 (merge = 1): a cut segment of at most kCtaMergeStates states is merged by its last CTA
+// (one round of loads after the counter: cheaper than the merge kernel's release), a longer one
+// by the merge kernel's CTAs in slices (one CTA's serial merge of 32 states cost ~9 us at B1 4K:
+// docs/perf-notes.md, v5.6). Merge CTAs without a job exit before griddepcontrol.wait, so a step
+// that leaves the merge kernel nothing does not wait for it.
+#ifdef PKV_CTA_MERGE_STATES  // build knob (PKV_NVCC_FLAGS), for measuring alternatives
+constexpr int kCtaMergeStates = PKV_CTA_MERGE_STATES;
+#else
+constexpr int kCtaMergeStates = 8;
+#endif
+// Whether a segment cut into `states` states is merged by its last decode CTA (both kernels
+// decide it alike): always under merge = 0, short segments under merge = 1, never under 2 and 3.
+__device__ __forceinline__ bool merged_in_cta(int states, int merge) {
+  return merge == 0 || (merge == 1 && states <= kCtaMergeStates);
+}
 // Merge kernel registers: at d 128 two merge CTAs (<= 56 registers) fit beside a full grid of
 // two decode CTAs per SM, so they are resident (their scan overlapping the decode) and load
 // 3 states a round (4 spill at 56 registers); at d 64 none fits beside three decode CTAs and at d 256 several do, so
@@ -121,6 +140,108 @@ __device__ __forceinline__ int row_of(const int* s_inc, int R, int H, int64_t u)
   return r;
 }
 
+// The exact merge of one cut segment's `states` partial states (slots slot_of(0..states-1))
+// into float4 columns [c_lo, c_hi) of its G * D outputs (and, where a slice holds a head's
+// first column, that head's LSE); out_at = the segment's first query head (r * Hq + h * G).
+// One definition for both merges: a v5 merge CTA takes one slice of its segment, the last
+// CTA of a segment (merge = 0) takes every column. The CTA's kMergeThreads threads split
+// the columns and the states, load m, l and acc of kIF states together (one L2 round trip
+// per round), fold them online and reduce a column's thread group by shuffles.
+template <typename T, int D, int kIF, class SlotOf>
+__device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int states, SlotOf slot_of, int c_lo,
+                                            int c_hi, int out_at) {
+  const int tid = threadIdx.x, G = p.group, cs = c_hi - c_lo, cols = G * D / 4;
+  const int num_slots = 2 * p.num_ctas;
+  const float* m = p.partial;
+  const float* l = p.partial + static_cast<int64_t>(num_slots) * G;
+  const float4* acc = reinterpret_cast<const float4*>(p.partial + acc_offset(num_slots, G));
+  T* out = reinterpret_cast<T*>(p.out) + static_cast<int64_t>(out_at) * D;
+  auto fold = [](float& mx, float& den, float4& sum, float m2, float d2, float4 a2) {
+    const float mn = fmaxf(mx, m2), w1 = rescale(mx, mn), w2 = rescale(m2, mn);
+    den = w1 * den + w2 * d2;
+    sum.x = w1 * sum.x + w2 * a2.x, sum.y = w1 * sum.y + w2 * a2.y;
+    sum.z = w1 * sum.z + w2 * a2.z, sum.w = w1 * sum.w + w2 * a2.w;
+    mx = mn;
+  };
+  auto store = [&](int c, float mx, float den, float4 sum) {
+    const float inv = 1.f / den;
+    Mma<T>::store2(out + 4 * c, sum.x * inv, sum.y * inv);
+    Mma<T>::store2(out + 4 * c + 2, sum.z * inv, sum.w * inv);
+    if (p.lse != nullptr && c % (D / 4) == 0) p.lse[out_at + c / (D / 4)] = lse_of(mx, den);  // a head's first column
+  };
+  // Threads per column: a power of two <= 32 (aligned groups inside a warp, reduced by
+  // shuffles), as many as the states while the slice's columns still fit the CTA.
+  int lanes = 1;
+  while (lanes < 32 && lanes < states && cs * lanes * 2 <= kMergeThreads) lanes <<= 1;
+  if (lanes > 1) {  // one column per thread group (cs <= 64); the group splits the states
+    const int c = c_lo + tid / lanes, part = tid & (lanes - 1);
+    const bool live = c < c_hi;
+    const int hh = live ? c / (D / 4) : 0;
+    float mx = -INFINITY, den = 0.f;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = live ? part : states; s0 < states; s0 += kIF * lanes) {
+      float ms[kIF], ls[kIF];
+      float4 vs[kIF];
+#pragma unroll
+      for (int i = 0; i < kIF; ++i) {  // predicated: every load of the round issues at once
+        const int s = s0 + i * lanes;
+        ms[i] = -INFINITY, ls[i] = 0.f, vs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (s < states) {
+          const int64_t at = slot_of(s);
+          ms[i] = __ldcg(m + at * G + hh);
+          ls[i] = __ldcg(l + at * G + hh);
+          vs[i] = __ldcg(acc + at * cols + c);
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kIF; ++i) fold(mx, den, sum, ms[i], ls[i], vs[i]);
+    }
+    for (int o = 1; o < lanes; o <<= 1) {  // the group's states, by shuffles (no barrier)
+      const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), d2 = __shfl_xor_sync(0xffffffffu, den, o);
+      float4 a2;
+      a2.x = __shfl_xor_sync(0xffffffffu, sum.x, o), a2.y = __shfl_xor_sync(0xffffffffu, sum.y, o);
+      a2.z = __shfl_xor_sync(0xffffffffu, sum.z, o), a2.w = __shfl_xor_sync(0xffffffffu, sum.w, o);
+      fold(mx, den, sum, m2, d2, a2);
+    }
+    if (live && part == 0) store(c, mx, den, sum);
+  } else {  // wide slices (cs > 64): each thread owns columns c_lo + tid + 128 q, every state
+    const int passes = (cs + kMergeThreads - 1) / kMergeThreads, items = passes * states;
+    float mx = -INFINITY, den = 0.f;
+    float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
+    int q = 0, s = 0;  // the next item to fold: column pass q, state s
+    for (int e0 = 0; e0 < items; e0 += kIF) {
+      float ms[kIF], ls[kIF];
+      float4 vs[kIF];
+      int lq = q, ls_ = s;
+#pragma unroll
+      for (int i = 0; i < kIF; ++i) {  // this round's items, loads issued together
+        const int c = c_lo + tid + lq * kMergeThreads;
+        ms[i] = -INFINITY, ls[i] = 0.f, vs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (e0 + i < items && c < c_hi) {
+          const int64_t at = slot_of(ls_);
+          const int hh = c / (D / 4);
+          ms[i] = __ldcg(m + at * G + hh);
+          ls[i] = __ldcg(l + at * G + hh);
+          vs[i] = __ldcg(acc + at * cols + c);
+        }
+        if (++ls_ == states) ls_ = 0, ++lq;
+      }
+#pragma unroll
+      for (int i = 0; i < kIF; ++i) {
+        if (e0 + i < items) {
+          fold(mx, den, sum, ms[i], ls[i], vs[i]);
+          if (s == states - 1) {
+            const int c = c_lo + tid + q * kMergeThreads;
+            if (c < c_hi) store(c, mx, den, sum);
+            mx = -INFINITY, den = 0.f, sum = make_float4(0.f, 0.f, 0.f, 0.f);
+          }
+          if (++s == states) s = 0, ++q;
+        }
+      }
+    }
+  }
+}
+
 template <typename T, int D, int kRows, bool kFp8>
 __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
   using C = AttendCfg<D, kFp8>;
@@ -142,7 +263,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   // v5: let the merge kernel launch now (it scans the lengths while this grid runs and
   // waits for this grid's completion before it reads a state). merge = 2 (an ablation):
   // no early trigger, the merge grid launches as the decode CTAs exit.
-  if (p.merge == 1) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  if (p.merge == 1 || p.merge == 3) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int tid = threadIdx.x;
   const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
 
@@ -238,25 +359,19 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         }
       });
       if (pieces == 1) PKV_STAMP(rec, 7);
-      if (!p.merge) {
-        // v4: publish the state, then count in; the last of the segment's CTAs merges. (The
-        // barrier orders every thread's stores before thread 0's fence: CUTLASS's semaphore.)
+      if (merged_in_cta(j1 - j0 + 1, p.merge)) {
+        // Publish the state, then count in; the last of the segment's CTAs merges. The barrier
+        // orders every thread's stores before thread 0's release (CUTLASS's semaphore); the
+        // same atomic's acquire, then the barrier, orders the last CTA's loads after the others'.
         __syncthreads();
         int* counter = p.counters + r * H + h;
-        if (tid == 0) {
-          __threadfence();
-          s_last = atomicAdd(counter, 1) == j1 - j0;
-        }
+        if (tid == 0) s_last = atomic_add_acq_rel(counter, 1) == j1 - j0;
         __syncthreads();
         if (s_last) {
-          __threadfence();
           const int first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
-          constexpr int kRedBytes = kThreads * 16;  // s_red at the end of the idle pipeline buffers
-          merge_states<T, D, true>(p.partial, num_slots, G, j1 - j0 + 1,
-                                   [=](int i) { return i == 0 ? first : 2 * (j0 + i); }, out,
-                                   reinterpret_cast<float*>(smem), (C::kSmem - kRedBytes) / 4,
-                                   reinterpret_cast<float4*>(smem + (C::kSmem - kRedBytes)),
-                                   p.lse != nullptr ? p.lse + qo / D : nullptr);
+          // v5.6: the merge kernel's one-round column merge (merge_slice), every column.
+          merge_slice<T, D, kLastCtaInFlight>(p, j1 - j0 + 1, [=](int i) { return i == 0 ? first : 2 * (j0 + i); },
+                                              0, G * D / 4, static_cast<int>(qo / D));
           if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
           ++merged;
         }
@@ -339,113 +454,27 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
     j0 = static_cast<int>(floor_div((seg_begin + 1) * n - 1, W));
     j1 = static_cast<int>(floor_div(seg_end * n - 1, W));
     first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
-    job = j0 < j1 && j > j0;
+    job = j0 < j1 && j > j0 && !merged_in_cta(j1 - j0 + 1, p.merge);
   }
   PKV_STAMP(rec, 2);
+  if (!job) {  // nothing of the decode's to read: no wait for it
+#if PKV_TRACE
+    if (rec != nullptr && tid == 0) rec[9] = globaltimer_ns(), rec[10] = 0;
+#endif
+    return;
+  }
   asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the decode grid is complete, its states visible
   PKV_STAMP(rec, 3);
-  if (job) {
-    constexpr int kIF = MergeCfg<D>::kInFlight;
-    const int num_slots = 2 * p.num_ctas;
-    const float* m = p.partial;
-    const float* l = p.partial + static_cast<int64_t>(num_slots) * G;
-    const float4* acc = reinterpret_cast<const float4*>(p.partial + acc_offset(num_slots, G));
-    const int states = j1 - j0 + 1, slices = j1 - j0, k = j - j0 - 1;
-    const int cols = G * D / 4;
-    const int c_lo = k * cols / slices, c_hi = (k + 1) * cols / slices, cs = c_hi - c_lo;
-    T* out = reinterpret_cast<T*>(p.out) + (static_cast<int64_t>(r) * Hq + h * G) * D;
-    auto slot_of = [&](int s) { return static_cast<int64_t>(s == 0 ? first : 2 * (j0 + s)); };
-    auto fold = [](float& mx, float& den, float4& sum, float m2, float d2, float4 a2) {
-      const float mn = fmaxf(mx, m2), w1 = rescale(mx, mn), w2 = rescale(m2, mn);
-      den = w1 * den + w2 * d2;
-      sum.x = w1 * sum.x + w2 * a2.x, sum.y = w1 * sum.y + w2 * a2.y;
-      sum.z = w1 * sum.z + w2 * a2.z, sum.w = w1 * sum.w + w2 * a2.w;
-      mx = mn;
-    };
-    const int lse_at = r * Hq + h * G;   // the segment's first head in lse (read from p: no live pointer)
-    auto store = [&](int c, float mx, float den, float4 sum) {
-      const float inv = 1.f / den;
-      Mma<T>::store2(out + 4 * c, sum.x * inv, sum.y * inv);
-      Mma<T>::store2(out + 4 * c + 2, sum.z * inv, sum.w * inv);
-      if (p.lse != nullptr && c % (D / 4) == 0) p.lse[lse_at + c / (D / 4)] = lse_of(mx, den);  // a head's first column
-    };
-    // Threads per column: a power of two <= 32 (aligned groups inside a warp, reduced by
-    // shuffles), as many as the states while the slice's columns still fit the CTA.
-    int lanes = 1;
-    while (lanes < 32 && lanes < states && cs * lanes * 2 <= kMergeThreads) lanes <<= 1;
-    if (lanes > 1) {  // one column per thread group (cs <= 64); the group splits the states
-      const int c = c_lo + tid / lanes, part = tid & (lanes - 1);
-      const bool live = c < c_hi;
-      const int hh = live ? c / (D / 4) : 0;
-      float mx = -INFINITY, den = 0.f;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      for (int s0 = live ? part : states; s0 < states; s0 += kIF * lanes) {
-        float ms[kIF], ls[kIF];
-        float4 vs[kIF];
-#pragma unroll
-        for (int i = 0; i < kIF; ++i) {  // predicated: every load of the round issues at once
-          const int s = s0 + i * lanes;
-          ms[i] = -INFINITY, ls[i] = 0.f, vs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (s < states) {
-            const int64_t at = slot_of(s);
-            ms[i] = __ldcg(m + at * G + hh);
-            ls[i] = __ldcg(l + at * G + hh);
-            vs[i] = __ldcg(acc + at * cols + c);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kIF; ++i) fold(mx, den, sum, ms[i], ls[i], vs[i]);
-      }
-      for (int o = 1; o < lanes; o <<= 1) {  // the group's states, by shuffles (no barrier)
-        const float m2 = __shfl_xor_sync(0xffffffffu, mx, o), d2 = __shfl_xor_sync(0xffffffffu, den, o);
-        float4 a2;
-        a2.x = __shfl_xor_sync(0xffffffffu, sum.x, o), a2.y = __shfl_xor_sync(0xffffffffu, sum.y, o);
-        a2.z = __shfl_xor_sync(0xffffffffu, sum.z, o), a2.w = __shfl_xor_sync(0xffffffffu, sum.w, o);
-        fold(mx, den, sum, m2, d2, a2);
-      }
-      if (live && part == 0) store(c, mx, den, sum);
-    } else {  // wide slices (cs > 64): each thread owns columns c_lo + tid + 128 q, every state
-      const int passes = (cs + kMergeThreads - 1) / kMergeThreads, items = passes * states;
-      float mx = -INFINITY, den = 0.f;
-      float4 sum = make_float4(0.f, 0.f, 0.f, 0.f);
-      int q = 0, s = 0;  // the next item to fold: column pass q, state s
-      for (int e0 = 0; e0 < items; e0 += kIF) {
-        float ms[kIF], ls[kIF];
-        float4 vs[kIF];
-        int lq = q, ls_ = s;
-#pragma unroll
-        for (int i = 0; i < kIF; ++i) {  // this round's items, loads issued together
-          const int c = c_lo + tid + lq * kMergeThreads;
-          ms[i] = -INFINITY, ls[i] = 0.f, vs[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (e0 + i < items && c < c_hi) {
-            const int64_t at = slot_of(ls_);
-            const int hh = c / (D / 4);
-            ms[i] = __ldcg(m + at * G + hh);
-            ls[i] = __ldcg(l + at * G + hh);
-            vs[i] = __ldcg(acc + at * cols + c);
-          }
-          if (++ls_ == states) ls_ = 0, ++lq;
-        }
-#pragma unroll
-        for (int i = 0; i < kIF; ++i) {
-          if (e0 + i < items) {
-            fold(mx, den, sum, ms[i], ls[i], vs[i]);
-            if (s == states - 1) {
-              const int c = c_lo + tid + q * kMergeThreads;
-              if (c < c_hi) store(c, mx, den, sum);
-              mx = -INFINITY, den = 0.f, sum = make_float4(0.f, 0.f, 0.f, 0.f);
-            }
-            if (++s == states) s = 0, ++q;
-          }
-        }
-      }
-    }
+  {
+    const int slices = j1 - j0, k = j - j0 - 1, cols = G * D / 4;
+    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, [&](int s) { return s == 0 ? first : 2 * (j0 + s); },
+                                              k * cols / slices, (k + 1) * cols / slices, r * Hq + h * G);
   }
 #if PKV_TRACE
   if (rec != nullptr && tid == 0) {
     rec[4] = clock_now();
     rec[9] = globaltimer_ns();
-    rec[10] = job ? 1 | (static_cast<unsigned long long>(j1 - j0 + 1) << 8) : 0;
+    rec[10] = 1 | (static_cast<unsigned long long>(j1 - j0 + 1) << 8);
   }
 #endif
 }
@@ -458,7 +487,7 @@ cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
   if (attr != cudaSuccess) return attr;
   kernel<<<p.num_ctas, kThreads, smem, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || !p.merge) return err;
+  if (err != cudaSuccess || p.merge == 0) return err;
   // The merge as a programmatic dependent: launched once every decode CTA has started (it
   // overlaps the decode), released by griddepcontrol.wait when the decode grid completes.
   return launch_dependent_merge(graph_merge_kernel<T, D>, dim3(p.num_ctas), dim3(kMergeThreads), stream, p);
@@ -499,7 +528,7 @@ int graph_decode_ctas_per_sm(int head_dim) {
 cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
                                 cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
-      p.min_tiles < 1 || p.merge < 0 || p.merge > 2 ||
+      p.min_tiles < 1 || p.merge < 0 || p.merge > 3 ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)

@@ -4,12 +4,16 @@
 // up to `num_rows` rows. Every CTA reads the step's lengths, cuts the step's
 // H * sum(tiles) work units into equal contiguous ranges (one per CTA), and attends over
 // the (row, KV head) pieces its range covers. A piece that is a whole segment writes its
-// output; a segment cut across CTAs leaves FP32 partial states, merged either
-//  - v5 (merge = 1, the default): by a merge kernel launched as a programmatic dependent
-//    (PDL) of the decode. It decides the same split from the same lengths while the
-//    decode runs, waits for the decode grid (griddepcontrol.wait), and spreads each cut
-//    segment's columns over the CTAs that cut it, one round of loads each; or
-//  - v4 (merge = 0): by the last of the segment's CTAs to finish (atomic counter).
+// output; a segment cut across CTAs leaves FP32 partial states, merged
+//  - merge = 1 (v5.7, the default): by the segment's last CTA to finish (atomic counter)
+//    when it has at most kCtaMergeStates states, else by a merge kernel launched as a
+//    programmatic dependent (PDL) of the decode. The merge kernel decides the same split
+//    from the same lengths while the decode runs; its CTAs with a job wait for the decode
+//    grid (griddepcontrol.wait) and merge one slice of a segment's columns each, the others
+//    exit at once;
+//  - merge = 0 (v4): every cut segment by its last CTA, no merge kernel;
+//  - merge = 3 (v5.0-v5.6): every cut segment by the merge kernel; 2: the same with no early
+//    trigger (an ablation: the merge grid launches as the decode exits).
 // No host plan either way. Torch-free: binding.cpp unpacks tensors into these structs.
 #pragma once
 
@@ -44,7 +48,9 @@ struct GraphDecodeParams {
   int page_shift;           // log2(page size)
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
-  int merge;                // 1: PDL merge kernel (v5), 2: same, no early trigger, 0: last-CTA merge (v4)
+  int merge;                // 1: short segments by their last CTA, long ones by the PDL merge kernel
+                            // (v5.7); 0: every segment by its last CTA (v4); 3: every one by the
+                            // merge kernel (v5); 2: as 3 with no early trigger
   float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
 };

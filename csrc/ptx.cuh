@@ -75,6 +75,10 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
   asm volatile(PKV_CP_ASYNC_CG " [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// The same, all 16 bytes in bounds (no zero-fill operand).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile(PKV_CP_ASYNC_CG " [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
 // 4-byte async copy (through L1: .cg takes 16 bytes only); used for the FP8 page scales.
 __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
@@ -148,6 +152,14 @@ __device__ __forceinline__ float ld_cluster(const float* local, int rank) {
   float v;
   asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
   return v;
+}
+
+// atomicAdd with release (the caller's earlier writes, and those a barrier ordered before it,
+// are visible first) and acquire (later reads see what the other adders released) at GPU scope.
+__device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
+  int old;
+  asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
+  return old;
 }
 
 }  // namespace pkv

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule, merge_jobs
+from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule, merge_jobs
 from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
@@ -73,9 +73,11 @@ def test_ranges_balanced_and_slots_consistent(name):
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("num_ctas,min_tiles,cols", [(264, 8, 128), (264, 1, 16), (132, 2, 512), (7, 1, 32)])
-def test_merge_jobs_cover_every_cut_segment_once(name, num_ctas, min_tiles, cols):
-    """v5's merge kernel: every cut segment's columns merged exactly once, from exactly the
-    slots its pieces wrote, each merge CTA at most one job."""
+@pytest.mark.parametrize("cta_merge_states", [0, CTA_MERGE_STATES])
+def test_merge_jobs_cover_every_cut_segment_once(name, num_ctas, min_tiles, cols, cta_merge_states):
+    """The merge kernel (merge = 3: every cut segment; merge = 1: those of more than
+    CTA_MERGE_STATES states, the rest being their last CTA's): every such segment's columns
+    merged exactly once, from exactly the slots its pieces wrote, each merge CTA at most one job."""
     lens = np.asarray(CASES[name])
     h = 8
     written = defaultdict(set)
@@ -84,12 +86,12 @@ def test_merge_jobs_cover_every_cut_segment_once(name, num_ctas, min_tiles, cols
             written[(p.row, p.kv_head)].add(p.slot)
             assert set(p.merger_slots) == written[(p.row, p.kv_head)] | set(p.merger_slots)
     covered = defaultdict(list)
-    jobs = merge_jobs(lens, h, num_ctas, cols, min_tiles)
+    jobs = merge_jobs(lens, h, num_ctas, cols, min_tiles, cta_merge_states)
     assert len({j.cta for j in jobs}) == len(jobs)
     for j in jobs:
         assert set(j.slots) == written[(j.row, j.kv_head)] and len(j.slots) == len(set(j.slots))
         covered[(j.row, j.kv_head)].append((j.col_begin, j.col_end))
-    assert set(covered) == set(written)
+    assert set(covered) == {seg for seg, slots in written.items() if len(slots) > cta_merge_states}
     for spans in covered.values():
         spans.sort()
         assert spans[0][0] == 0 and spans[-1][1] == cols

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
+from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -69,6 +69,12 @@ class GraphPlan(Plan):
         return self._counters
 
 
+# pkv-graph's `merge` option (csrc/graph_decode.h): who merges a segment cut across CTAs.
+MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7, default)",
+               0: "its last CTA always (v4)", 3: "the PDL merge kernel always (v5)",
+               2: "the merge kernel launched as the decode exits (ablation)"}
+
+
 class GraphEngine(Engine):
     name = "pkv-graph"
 
@@ -85,10 +91,10 @@ class GraphEngine(Engine):
         if min_tiles < 1:
             raise ValueError(f"min_tiles must be >= 1, got {min_tiles}")
         self.min_tiles = min_tiles
-        if merge not in (0, 1, 2):
-            raise ValueError(f"merge is 1 (v5: PDL merge kernel), 2 (the same, launched as the decode exits) "
-                             f"or 0 (v4: last-CTA merge), got {merge}")
-        self.merge = int(merge)   # how cut segments merge on the GPU; the CPU oracle is the same for both
+        if merge not in MERGE_MODES:
+            raise ValueError(f"merge is one of {MERGE_MODES}, got {merge}: " + "; ".join(
+                f"{k}: {v}" for k, v in MERGE_MODES.items()))
+        self.merge = int(merge)   # how cut segments merge on the GPU; the CPU oracle is the same for all
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
             self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms

@@ -11,7 +11,8 @@ last piece otherwise) and the last CTA to finish merges them.
 v5 merges cut segments in a second kernel (a programmatic dependent of the decode) that
 repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
 j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
-segment's float4 columns (`merge_jobs`).
+segment's float4 columns (`merge_jobs`). v5.7 (merge = 1, the default) leaves a segment of
+at most CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
 
 This module is the CPU oracle of that rule: `graph_schedule` turns it into a
 pkv.plan.schedule.Schedule (one queue launch, tasks in segment order) that
@@ -29,6 +30,7 @@ from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
 GRAPH_MIN_TILES = 4     # default smallest CTA range, in tiles (docs/perf-notes.md, v5; 8 in v4)
+CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
 
 
 @dataclass(frozen=True)
@@ -129,9 +131,11 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
 
 
 def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
-               min_tiles: int = GRAPH_MIN_TILES) -> list[MergeJob]:
+               min_tiles: int = GRAPH_MIN_TILES, cta_merge_states: int = 0) -> list[MergeJob]:
     """The v5 merge kernel's jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
-    (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out."""
+    (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out.
+    Segments of at most `cta_merge_states` states are their last CTA's to merge (merge = 1:
+    CTA_MERGE_STATES; merge = 3: 0), not the kernel's."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     h = num_kv_heads
     tiles = num_tiles(lens)
@@ -148,7 +152,7 @@ def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
         seg_begin = h * exc + head * t
         seg_end = seg_begin + t
         j0, j1 = ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
-        if j0 == j1 or j == j0:
+        if j0 == j1 or j == j0 or j1 - j0 + 1 <= cta_merge_states:
             continue
         first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
         slots = (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))

@@ -85,11 +85,12 @@ def test_cut_options(ctas_per_sm, min_tiles):
     check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"cut {ctas_per_sm} {min_tiles}")
 
 
-@pytest.mark.parametrize("merge", [1, 0])
+@pytest.mark.parametrize("merge", [1, 0, 3])
 @pytest.mark.parametrize("min_tiles", [1, 4, 8])
 @pytest.mark.parametrize("group,head_dim", [(16, 128), (1, 64), (5, 256)])
 def test_merge_paths(merge, min_tiles, group, head_dim):
-    """v5's PDL merge kernel (merge=1) and v4's last-CTA merge (merge=0) over cuts of 2 to
+    """v5.7's split of the merges (merge=1), v4's last-CTA merge (0) and v5's PDL merge kernel
+    (3) over cuts of 2 to
     hundreds of states per segment, slices wider than a merge CTA (G 16) and narrower than
     one column per CTA (G 1, d 64)."""
     seed = seed_of("graph-merge", merge, min_tiles, group, head_dim)
@@ -101,8 +102,8 @@ def test_merge_paths(merge, min_tiles, group, head_dim):
 
 
 # The compute-sanitizer grid (docs/perf-notes.md, v5): every pkv-graph path (16-bit d 64/128/256,
-# FP8 tensor and page scales, split and unsplit, page 1 and 64, v5 and v4 merges) on a grid of
-# 8 SMs' worth of CTAs; run with
+# FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0 and 3) on a
+# grid of 8 SMs' worth of CTAs; run with
 #   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
 #     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_graph.py -k sanitizer_grid
 # (--kernel-name keeps the tools on our two kernels: unfiltered, racecheck also reports
@@ -117,7 +118,7 @@ def test_sanitizer_grid(head_dim, kv, page, lens):
     seed = seed_of("sanitizer", head_dim, kv, page, lens)
     cache, step, q = make_case(list(lens), group=4, num_kv_heads=2, head_dim=head_dim, page_size=page, seed=seed)
     run_cache = cache if kv == "auto" else cache.quantized(kv)
-    for merge in (1, 0):
+    for merge in (1, 0, 3):
         engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge)
         out = run_graph(engine, step, q)
         ref = reference(run_cache, step, q) if kv == "auto" else reference_dequantized(run_cache, step, q)
