@@ -128,19 +128,19 @@ def test_device_terms_fit_recovers_known_constants():
 def test_refit_routes_bimodal_b4_to_the_workqueue(refit_constants):
     """The B4 misestimate (issue 13): with C_min and lambda fitted to the committed
     calibration sweep, the router takes the workqueue on held-out bimodal B4, the route
-    measured faster by wall, events and graph replay at a1124b6; the same constants with the
-    heuristic C_min 1.94 and host lambda 9.9 us that run used take the bucket."""
+    measured faster by wall, events and graph replay at a1124b6 (the heuristic C_min 1.94 and
+    host lambda 9.9 us that run used took the bucket; with the per-point host times of later
+    calibrations they no longer do, so only the fitted constants are checked). The shared
+    roofline alone: the route fits of Router v4.2, which override it, are left out."""
     cfg = load_config(ROOT / "results" / "config.json")
     shape = shape_of(cfg)
-    k = refit_constants
+    k = dataclasses.replace(refit_constants, route_fit={})
     assert 1.0 <= k.c_min <= 1.6 and 15e-6 <= k.launch_s <= 25e-6
     point = "bimodal-b4"
-    heuristic = dataclasses.replace(k, c_min=1.94, launch_s=9.9e-6)
-    for constants, want in ((heuristic, "bucket"), (k, "workqueue")):
-        router, _ = _router(constants.at(point), point, shape=shape)
-        routes = [router.decide(s.request_ids, s.seq_lens).route
-                  for _, steps in _recorded(cfg, "bimodal", 4, (20260623, 20260625)) for s in steps]
-        assert pd.Series(routes).value_counts().idxmax() == want
+    router, _ = _router(k.at(point), point, shape=shape)
+    routes = [router.decide(s.request_ids, s.seq_lens).route
+              for _, steps in _recorded(cfg, "bimodal", 4, (20260623, 20260625)) for s in steps]
+    assert pd.Series(routes).value_counts().idxmax() == "workqueue"
     # Per-point host times: at B1 the bucket route's host path is the shorter one.
     assert k.at("bucketed-b1").host_s["bucket"] < k.at("bucketed-b1").host_s["workqueue"]
     router, _ = _router(k.at("bucketed-b1"), "bucketed-b1", shape=shape)

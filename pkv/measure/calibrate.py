@@ -278,8 +278,8 @@ def fit_baseline(frame: pd.DataFrame, baseline: str, kv_bytes_per_token: int) ->
 def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
     """A host-scheduled route's RouteFit from its split-0 rows of the sweep (those the frozen
     split ran; graph-replayed where there are any), or None without them (a sweep before
-    Router v4.2): T = fixed + KV bytes * a * max(1, C / occupancy) + merge bytes * b +
-    launches * l, the coefficients non-negative and minimizing the squared relative error
+    Router v4.2) or where the fit would price a step at zero: T = fixed + KV bytes * a *
+    max(1, C / occupancy) + merge bytes * b + launches * l, the coefficients non-negative and minimizing the squared relative error
     against the device time, C the best of the FIT_C_MIN grid (occupancy = decode CTAs / SMs)."""
     rows = frame[(frame["engine"] == engine) & (frame["split"] == 0) & frame["decode_ctas"].notna()]
     rows = _replayed(rows)
@@ -298,6 +298,11 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
         if best is None or loss < best[0]:
             best = (loss, c_min, x, features)
     _, c_min, x, features = best
+    if float(np.min(features[:, [0, 1, 3]] @ x[[0, 1, 3]])) <= 1e-3 * float(measured.min()):
+        # Every step has KV bytes and a launch: a fit whose fixed, byte and launch terms come
+        # to ~nothing prices a step without a split at zero (the CPU smoke's timings can do
+        # that). No fit is better: the shared roofline costs the route, as without split-0 rows.
+        return None
     fit = RouteFit(float(x[0]), float(x[1]), float(c_min), float(x[2]), float(x[3]))
     err = float(np.sqrt(np.mean(np.log((features @ x) / measured) ** 2)))
     return {**{key: getattr(fit, key) for key in RouteFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}

@@ -215,6 +215,10 @@ def accuracy_figure(points: pd.DataFrame, smoke: bool) -> bytes:
         ax.set_visible(False)
     for ax, route in zip(flat, routes):
         g = points[points["route"] == route]
+        g = g[(g["estimate_s"] > 0) & (g["wall_s"] > 0)]   # log axes: a zero estimate has no place on them
+        if g.empty:
+            ax.set_visible(False)
+            continue
         for source, color in COLORS.items():
             s = g[g["source"] == source]
             if not s.empty:
