@@ -18,10 +18,10 @@ static_assert(kMergeThreads == kThreads, "the last-CTA merge runs merge_slice on
 constexpr int kLastCtaInFlight = 8;
 
 // v5.7 (merge = 1): a cut segment of at most kCtaMergeStates states is merged by its last CTA
-// (one round of loads after the counter: cheaper than the merge kernel's release), a longer one
-// by the merge kernel's CTAs in slices (one CTA's serial merge of 32 states cost ~9 us at B1 4K:
-// docs/perf-notes.md, v5.6). Merge CTAs without a job exit before griddepcontrol.wait, so a step
-// that leaves the merge kernel nothing does not wait for it.
+// (one round of loads after the counter), a longer one by the merge kernel's CTAs in slices (one
+// CTA's serial merge of 32 states cost ~9 us at B1 4K: docs/perf-notes.md, v5.6). Merge CTAs
+// without a job exit at once, but for CTA 0, which waits for the decode grid so that the merge
+// grid never completes before it (v5.7.1).
 #ifdef PKV_CTA_MERGE_STATES  // build knob (PKV_NVCC_FLAGS), for measuring alternatives
 constexpr int kCtaMergeStates = PKV_CTA_MERGE_STATES;
 #else
@@ -457,7 +457,11 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
     job = j0 < j1 && j > j0 && !merged_in_cta(j1 - j0 + 1, p.merge);
   }
   PKV_STAMP(rec, 2);
-  if (!job) {  // nothing of the decode's to read: no wait for it
+  if (!job) {
+    // Nothing of the decode's to read, but this grid must not complete before the decode: a
+    // kernel queued after it (a PDL consumer's griddepcontrol.wait included) is ordered by
+    // this grid's completion, and reads `out`. One CTA waiting keeps that; the rest exit.
+    if (blockIdx.x == 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
 #if PKV_TRACE
     if (rec != nullptr && tid == 0) rec[9] = globaltimer_ns(), rec[10] = 0;
 #endif

@@ -10,7 +10,8 @@
 //    programmatic dependent (PDL) of the decode. The merge kernel decides the same split
 //    from the same lengths while the decode runs; its CTAs with a job wait for the decode
 //    grid (griddepcontrol.wait) and merge one slice of a segment's columns each, the others
-//    exit at once;
+//    exit at once (CTA 0 after waiting too: the merge grid completes after the decode, so
+//    whatever the stream runs next, PDL or not, reads a finished `out`);
 //  - merge = 0 (v4): every cut segment by its last CTA, no merge kernel;
 //  - merge = 3 (v5.0-v5.6): every cut segment by the merge kernel; 2: the same with no early
 //    trigger (an ablation: the merge grid launches as the decode exits).
