@@ -244,7 +244,6 @@ __device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int stat
 
 template <typename T, int D, int kRows, bool kFp8>
 __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
-  using C = AttendCfg<D, kFp8>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_inc[kGraphMaxRows];  // inclusive prefix sum of tiles over rows
   __shared__ int s_len[kGraphMaxRows];
