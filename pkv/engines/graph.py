@@ -92,7 +92,7 @@ class GraphEngine(Engine):
             raise ValueError(f"min_tiles must be >= 1, got {min_tiles}")
         self.min_tiles = min_tiles
         if merge not in MERGE_MODES:
-            raise ValueError(f"merge is one of {MERGE_MODES}, got {merge}: " + "; ".join(
+            raise ValueError(f"merge is one of {sorted(MERGE_MODES)}, got {merge}: " + "; ".join(
                 f"{k}: {v}" for k, v in MERGE_MODES.items()))
         self.merge = int(merge)   # how cut segments merge on the GPU; the CPU oracle is the same for all
         if self.gpu:

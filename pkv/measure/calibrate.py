@@ -30,15 +30,14 @@ split choice and C_min / lambda stay the split grid's (split-0 rows are not in t
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
+from itertools import combinations
 
 import numpy as np
 import pandas as pd
 import torch
-
-import dataclasses
-from itertools import combinations
 
 from pkv.engines.table import pkv_engines, pkv_routes
 from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
@@ -178,7 +177,16 @@ def _device(rows: pd.DataFrame) -> np.ndarray:
 def _relative_fit(features: np.ndarray, measured: np.ndarray) -> tuple[np.ndarray, float]:
     """Non-negative coefficients minimizing the squared relative error, and its rms log error."""
     x = nonnegative_lstsq(features / measured[:, None], np.ones(len(measured)))
-    return x, float(np.sqrt(np.mean(np.log((features @ x) / measured) ** 2)))
+    return x, _rms_log_err(features @ x, measured)
+
+
+def _rms_log_err(predicted: np.ndarray, measured: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(np.log(predicted / measured) ** 2)))
+
+
+def _stall(occupancy: np.ndarray, c_min: float) -> np.ndarray:
+    """pkv.plan.costmodel.occupancy_stall over rows (occupancy = decode CTAs per SM)."""
+    return np.where(occupancy > 0, np.maximum(1.0, c_min / np.maximum(occupancy, 1e-12)), c_min)
 
 
 FIT_C_MIN = tuple(round(0.25 + 0.05 * i, 2) for i in range(76))      # 0.25 .. 4.0 CTAs per SM
@@ -208,7 +216,7 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     log_measured = np.log(measured)
     best = None
     for c_min in FIT_C_MIN:
-        stall = np.where(occupancy > 0, np.maximum(1.0, c_min / np.maximum(occupancy, 1e-12)), c_min)
+        stall = _stall(occupancy, c_min)
         fixed = bytes_t * stall + merge_t
         for lam in FIT_LAUNCH_S:
             loss = float(np.sum((np.log(fixed + launches * lam) - log_measured) ** 2))
@@ -279,8 +287,9 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
     """A host-scheduled route's RouteFit from its split-0 rows of the sweep (those the frozen
     split ran; graph-replayed where there are any), or None without them (a sweep before
     Router v4.2) or where the fit would price a step at zero: T = fixed + KV bytes * a *
-    max(1, C / occupancy) + merge bytes * b + launches * l, the coefficients non-negative and minimizing the squared relative error
-    against the device time, C the best of the FIT_C_MIN grid (occupancy = decode CTAs / SMs)."""
+    max(1, C / occupancy) + merge bytes * b + launches * l, the coefficients non-negative and
+    minimizing the squared relative error against the device time, C the best of the
+    FIT_C_MIN grid (occupancy = decode CTAs / SMs)."""
     rows = frame[(frame["engine"] == engine) & (frame["split"] == 0) & frame["decode_ctas"].notna()]
     rows = _replayed(rows)
     if rows.empty:
@@ -291,7 +300,7 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
     rest = [rows["merge_bytes"].to_numpy(dtype=float), rows["launches"].to_numpy(dtype=float)]
     best = None
     for c_min in FIT_C_MIN:
-        stall = np.where(occupancy > 0, np.maximum(1.0, c_min / np.maximum(occupancy, 1e-12)), c_min)
+        stall = _stall(occupancy, c_min)
         features = np.column_stack([np.ones(len(rows)), kv * stall, *rest])
         x = nonnegative_lstsq(features / measured[:, None], np.ones(len(measured)))
         loss = float(np.sum((features @ x / measured - 1) ** 2))
@@ -304,7 +313,7 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
         # that). No fit is better: the shared roofline costs the route, as without split-0 rows.
         return None
     fit = RouteFit(float(x[0]), float(x[1]), float(c_min), float(x[2]), float(x[3]))
-    err = float(np.sqrt(np.mean(np.log((features @ x) / measured) ** 2)))
+    err = _rms_log_err(features @ x, measured)
     return {**{key: getattr(fit, key) for key in RouteFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
 
 

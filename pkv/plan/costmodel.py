@@ -125,6 +125,13 @@ class BaselineFit:
         return cls(*(float(d[key]) for key in cls.KEYS))
 
 
+def occupancy_stall(ctas: float, sm_count: int, c_min: float) -> float:
+    """The roofline's stall factor max(1, c_min / C) at C = ctas / SMs decode CTAs per SM
+    (c_min itself for a step with no CTAs): streaming slows below c_min CTAs per SM."""
+    occupancy = ctas / sm_count
+    return max(1.0, c_min / occupancy) if occupancy > 0 else c_min
+
+
 @dataclass(frozen=True)
 class RouteFit:
     """A host-scheduled PersistentKV route's fitted device time (bucket, workqueue): the
@@ -143,8 +150,7 @@ class RouteFit:
             raise ValueError(f"route fit out of range: {self}")
 
     def device_s(self, cost: "RouteCost", sm_count: int) -> float:
-        occupancy = cost.ctas / sm_count
-        stall = max(1.0, self.c_min / occupancy) if occupancy > 0 else self.c_min
+        stall = occupancy_stall(cost.ctas, sm_count, self.c_min)
         return (self.fixed_s + cost.kv_bytes * self.s_per_kv_byte * stall + cost.merge_bytes * self.s_per_merge_byte
                 + cost.launches * self.s_per_launch)
 
@@ -258,8 +264,7 @@ def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
     elif cost.route in k.route_fit:
         device = k.route_fit[cost.route].device_s(cost, k.sm_count)
     else:
-        occupancy = cost.ctas / k.sm_count
-        stall = max(1.0, k.c_min / occupancy) if occupancy > 0 else k.c_min
+        stall = occupancy_stall(cost.ctas, k.sm_count, k.c_min)
         device = cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
     return device + k.host_s.get(cost.route, 0.0) if objective == "serial" else device
 
