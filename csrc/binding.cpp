@@ -165,9 +165,10 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.page_shift = 63 - __builtin_clzll(static_cast<unsigned long long>(P));
   p.num_ctas = static_cast<int>(num_ctas);
   p.min_tiles = static_cast<int>(min_tiles);
-  TORCH_CHECK(merge >= 0 && merge <= 3, "pkv.graph_decode: merge is 1 (short segments by their last CTA, long "
-              "ones by the PDL merge kernel), 0 (every one by its last CTA), 3 (every one by the merge kernel) or 2 "
-              "(as 3, launched as the decode exits)");
+  TORCH_CHECK(merge >= 0 && merge <= 4, "pkv.graph_decode: merge is 1 (short segments by their last CTA, long "
+              "ones by the PDL merge kernel), 0 (every one by its last CTA), 3 (every one by the merge kernel), 2 "
+              "(as 3, launched as the decode exits) or 4 (short ones by their last CTA, long ones by their last "
+              "CTAs, no merge kernel)");
   p.merge = static_cast<int>(merge);
   p.scale_log2 = static_cast<float>(M_LOG2E * sm_scale);
   p.k_scale = static_cast<float>(k_scale);
@@ -233,10 +234,10 @@ TORCH_LIBRARY(pkv, m) {
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
-        "float k_scale=1.0, float v_scale=1.0, int merge=1) -> ()");
+        "float k_scale=1.0, float v_scale=1.0, int merge=4) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
-        "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int merge=1) -> ()");
+        "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int merge=4) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
   m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
 }

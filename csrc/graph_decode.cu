@@ -1,5 +1,6 @@
-// PersistentKV v4/v5 decode: device-decided splits; cut segments merged by the segment's last
-// CTA (short ones, and all under merge = 0) or by a programmatic-dependent merge kernel.
+// PersistentKV v4/v5 decode: device-decided splits; cut segments merged inside the grid by the
+// segment's last CTA (short ones) or its last CTAs (long ones, merge = 4, the default), or by
+// a programmatic-dependent merge kernel (merge = 1, 2, 3).
 // graph_decode.h says what the launch computes.
 #include "graph_decode.h"
 
@@ -28,10 +29,26 @@ constexpr int kCtaMergeStates = PKV_CTA_MERGE_STATES;
 constexpr int kCtaMergeStates = 8;
 #endif
 // Whether a segment cut into `states` states is merged by its last decode CTA (both kernels
-// decide it alike): always under merge = 0, short segments under merge = 1, never under 2 and 3.
+// decide it alike): always under merge = 0, short segments under merge = 1 and 4, never under
+// 2 and 3.
 __device__ __forceinline__ bool merged_in_cta(int states, int merge) {
-  return merge == 0 || (merge == 1 && states <= kCtaMergeStates);
+  return merge == 0 || ((merge == 1 || merge == 4) && states <= kCtaMergeStates);
 }
+// Whether the decode grid merges such a segment itself (its last CTA, or under merge = 4
+// its last kMergeSlices CTAs); the rest are the merge kernel's.
+__device__ __forceinline__ bool merged_in_grid(int states, int merge) {
+  return merge == 4 || merged_in_cta(states, merge);
+}
+// v5.8 (merge = 4): a longer segment is merged inside the decode grid by the last
+// kMergeSlices of its CTAs to count in, one slice of its columns each, no second kernel. The
+// earlier of them wait for the rest to count in (a spin on the segment's counter); only the
+// last few arrivals wait, so at most kMergeSlices - 1 CTAs of a segment ever hold an SM
+// waiting, and the CTAs they wait for have started (docs/graph-decode.md: why it cannot hang).
+#ifdef PKV_MERGE_SLICES  // build knob (PKV_NVCC_FLAGS), for measuring alternatives
+constexpr int kMergeSlices = PKV_MERGE_SLICES;
+#else
+constexpr int kMergeSlices = 16;
+#endif
 // Merge kernel registers: at d 128 two merge CTAs (<= 56 registers) fit beside a full grid of
 // two decode CTAs per SM, so they are resident (their scan overlapping the decode) and load
 // 3 states a round (4 spill at 56 registers); at d 64 none fits beside three decode CTAs and at d 256 several do, so
@@ -358,23 +375,35 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         }
       });
       if (pieces == 1) PKV_STAMP(rec, 7);
-      if (merged_in_cta(j1 - j0 + 1, p.merge)) {
-        // Publish the state, then count in; the last of the segment's CTAs merges. The barrier
-        // orders every thread's stores before thread 0's release (CUTLASS's semaphore); the
-        // same atomic's acquire, then the barrier, orders the last CTA's loads after the others'.
+      const int S = j1 - j0 + 1;
+      if (merged_in_grid(S, p.merge)) {
+        // Publish the state, then count in (ticket t). The last K CTAs to count in merge slice
+        // t - (S - K) of the segment's columns: K = 1 for a segment of at most kCtaMergeStates
+        // states (its last CTA, every column), else kMergeSlices (merge = 4), the earlier of
+        // them spinning until all S have counted in. The barrier orders every thread's stores
+        // before thread 0's release (CUTLASS's semaphore); its acquire (the atomic's, or the
+        // spin's load), then the barrier, orders the merger's loads after the others' stores.
+        const int K = merged_in_cta(S, p.merge) ? 1 : (S < kMergeSlices ? S : kMergeSlices), cols = G * D / 4;
         __syncthreads();
         int* counter = p.counters + r * H + h;
-        if (tid == 0) s_last = atomic_add_acq_rel(counter, 1) == j1 - j0;
-        __syncthreads();
-        if (s_last) {
-          const int first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
-          // v5.6: the merge kernel's one-round column merge (merge_slice), every column.
-          merge_slice<T, D, kLastCtaInFlight>(p, j1 - j0 + 1, [=](int i) { return i == 0 ? first : 2 * (j0 + i); },
-                                              0, G * D / 4, static_cast<int>(qo / D));
-          if (tid == 0) *counter = 0;  // rearmed for the next launch (and graph replay)
-          ++merged;
+        if (tid == 0) {
+          const int t = atomic_add_acq_rel(counter, 1);
+          if (t >= S - K && t < S - 1)
+            while (ld_acquire(counter) < S) {}
+          s_last = t - (S - K);
         }
         __syncthreads();
+        const int k = s_last;
+        if (k >= 0) {
+          const int first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
+          merge_slice<T, D, kLastCtaInFlight>(p, S, [=](int i) { return i == 0 ? first : 2 * (j0 + i); },
+                                              k * cols / K, (k + 1) * cols / K, static_cast<int>(qo / D));
+          // Rearmed for the next launch (and graph replay) once no merger still spins: each
+          // counts in again, the one that brings the counter to S + K resets it.
+          if (tid == 0 && (K == 1 || atomicAdd(counter, 1) == S + K - 1)) *counter = 0;
+          ++merged;
+        }
+        __syncthreads();  // s_last is read before the next piece writes it
       }
     }
     u = piece_end;
@@ -453,7 +482,7 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
     j0 = static_cast<int>(floor_div((seg_begin + 1) * n - 1, W));
     j1 = static_cast<int>(floor_div(seg_end * n - 1, W));
     first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
-    job = j0 < j1 && j > j0 && !merged_in_cta(j1 - j0 + 1, p.merge);
+    job = j0 < j1 && j > j0 && !merged_in_grid(j1 - j0 + 1, p.merge);
   }
   PKV_STAMP(rec, 2);
   if (!job) {
@@ -490,7 +519,7 @@ cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
   if (attr != cudaSuccess) return attr;
   kernel<<<p.num_ctas, kThreads, smem, stream>>>(p);
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.merge == 0) return err;
+  if (err != cudaSuccess || p.merge == 0 || p.merge == 4) return err;  // no merge kernel
   // The merge as a programmatic dependent: launched once every decode CTA has started (it
   // overlaps the decode), released by griddepcontrol.wait when the decode grid completes.
   return launch_dependent_merge(graph_merge_kernel<T, D>, dim3(p.num_ctas), dim3(kMergeThreads), stream, p);
@@ -531,7 +560,7 @@ int graph_decode_ctas_per_sm(int head_dim) {
 cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
                                 cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
-      p.min_tiles < 1 || p.merge < 0 || p.merge > 3 ||
+      p.min_tiles < 1 || p.merge < 0 || p.merge > 4 ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)

@@ -161,5 +161,11 @@ __device__ __forceinline__ int atomic_add_acq_rel(int* p, int v) {
   asm volatile("atom.add.acq_rel.gpu.global.s32 %0, [%1], %2;\n" : "=r"(old) : "l"(p), "r"(v) : "memory");
   return old;
 }
+// A GPU-scope acquire load: later reads see what the releasers of the value read published.
+__device__ __forceinline__ int ld_acquire(const int* p) {
+  int v;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
 
 }  // namespace pkv

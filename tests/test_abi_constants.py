@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS
+from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES
 from pkv.engines import graph, persistent
 from pkv.plan.schedule import TILE_TOKENS
 
@@ -30,6 +30,7 @@ def constexpr(name: str) -> int:
     ("kTile", TILE_TOKENS),
     ("kGraphMaxRows", GRAPH_MAX_ROWS),
     ("kCtaMergeStates", CTA_MERGE_STATES),
+    ("kMergeSlices", MERGE_SLICES),
     ("kMaxGroup", graph.MAX_GROUP),
     ("kMaxClusterSplits", persistent.MAX_CLUSTER_SPLITS),
     ("kMaxSegSlots", persistent.MAX_SPLITS),

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, graph_schedule
+from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MERGE_SLICES, graph_schedule
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -64,22 +64,25 @@ class GraphPlan(Plan):
         if self._counters is None:
             shape, num_ctas, min_tiles, num_sms, merge = self._counter_args
             cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles)
-            self._counters = Counters(1, int(merge > 0), 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
+            self._counters = Counters(1, int(merge in MERGE_KERNEL_MODES), 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
                                       int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes))
         return self._counters
 
 
 # pkv-graph's `merge` option (csrc/graph_decode.h): who merges a segment cut across CTAs.
-MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7, default)",
+MERGE_MODES = {4: f"its last CTA up to {CTA_MERGE_STATES} states, else its last {MERGE_SLICES} CTAs, "
+                  "no merge kernel (v5.8, default)",
+               1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7)",
                0: "its last CTA always (v4)", 3: "the PDL merge kernel always (v5)",
                2: "the merge kernel launched as the decode exits (ablation)"}
+MERGE_KERNEL_MODES = (1, 2, 3)   # the modes that launch the merge kernel
 
 
 class GraphEngine(Engine):
     name = "pkv-graph"
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
-                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 1):
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 4):
         super().__init__(cache)
         s = cache.shape
         self.gpu = cache.kv.is_cuda

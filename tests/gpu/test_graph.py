@@ -85,12 +85,12 @@ def test_cut_options(ctas_per_sm, min_tiles):
     check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"cut {ctas_per_sm} {min_tiles}")
 
 
-@pytest.mark.parametrize("merge", [1, 0, 3])
+@pytest.mark.parametrize("merge", [1, 0, 3, 4])
 @pytest.mark.parametrize("min_tiles", [1, 4, 8])
 @pytest.mark.parametrize("group,head_dim", [(16, 128), (1, 64), (5, 256)])
 def test_merge_paths(merge, min_tiles, group, head_dim):
-    """v5.7's split of the merges (merge=1), v4's last-CTA merge (0) and v5's PDL merge kernel
-    (3) over cuts of 2 to
+    """v5.7's split of the merges (merge=1), v4's last-CTA merge (0), v5's PDL merge kernel (3)
+    and v5.8's merge by a segment's last CTAs in the decode grid (4) over cuts of 2 to
     hundreds of states per segment, slices wider than a merge CTA (G 16) and narrower than
     one column per CTA (G 1, d 64)."""
     seed = seed_of("graph-merge", merge, min_tiles, group, head_dim)
@@ -102,7 +102,7 @@ def test_merge_paths(merge, min_tiles, group, head_dim):
 
 
 # The compute-sanitizer grid (docs/perf-notes.md, v5): every pkv-graph path (16-bit d 64/128/256,
-# FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0 and 3) on a
+# FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0, 3 and 4) on a
 # grid of 8 SMs' worth of CTAs; run with
 #   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
 #     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_graph.py -k sanitizer_grid
@@ -118,7 +118,7 @@ def test_sanitizer_grid(head_dim, kv, page, lens):
     seed = seed_of("sanitizer", head_dim, kv, page, lens)
     cache, step, q = make_case(list(lens), group=4, num_kv_heads=2, head_dim=head_dim, page_size=page, seed=seed)
     run_cache = cache if kv == "auto" else cache.quantized(kv)
-    for merge in (1, 0, 3):
+    for merge in (1, 0, 3, 4):
         engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge)
         out = run_graph(engine, step, q)
         ref = reference(run_cache, step, q) if kv == "auto" else reference_dequantized(run_cache, step, q)
@@ -153,13 +153,15 @@ def trace_steps(rng, num_requests, reserved, capacity, num_steps):
     return steps
 
 
-@pytest.mark.parametrize("group,head_dim,dtype", [(4, 128, "float16"), (7, 128, "bfloat16"), (2, 256, "float16"),
-                                                  (8, 64, "float16")])
-def test_graph_replay_over_a_trace(group, head_dim, dtype):
-    seed = seed_of("replay", group, head_dim, dtype)
+@pytest.mark.parametrize("group,head_dim,dtype,merge", [(4, 128, "float16", 1), (4, 128, "float16", 4),
+                                                        (7, 128, "bfloat16", 1), (2, 256, "float16", 4),
+                                                        (8, 64, "float16", 1)])
+def test_graph_replay_over_a_trace(group, head_dim, dtype, merge):
+    seed = seed_of("replay", group, head_dim, dtype, merge)
     cache, steps = replay_case(seed, Shape(group * 4, 4, head_dim, 16, dtype))
     replay_and_check(cache, steps, seed,
-                     lambda t, out, step, q: check(out, reference(cache, step, q), dtype, f"replay step {t}"))
+                     lambda t, out, step, q: check(out, reference(cache, step, q), dtype, f"replay step {t}"),
+                     merge=merge)
 
 
 REPLAY_CAPACITY = 12
@@ -174,10 +176,11 @@ def replay_case(seed, shape):
     return cache, trace_steps(rng, len(reserved), reserved, REPLAY_CAPACITY, 16)
 
 
-def replay_and_check(cache, steps, seed, check_step):
+def replay_and_check(cache, steps, seed, check_step, merge=4):
     """Capture pkv-graph once at the bucket, then replay it for every step with fresh queries
-    and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step."""
-    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY)
+    and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step. Every merge
+    counter is rearmed (zero) after the last replay."""
+    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, merge=merge)
     q_static = cache.query(REPLAY_CAPACITY, seed)
     plan = engine.prepare(steps[0], rows=REPLAY_CAPACITY)
     engine.run(q_static, plan)
@@ -193,6 +196,7 @@ def replay_and_check(cache, steps, seed, check_step):
         graph.replay()
         torch.cuda.synchronize()
         check_step(t, out_static[:b], step, q_static[:b])
+    assert int(engine.counters.abs().sum()) == 0, "a merge counter was left armed"
 
 
 def test_beyond_capacity_is_refused():
