@@ -115,7 +115,7 @@ def _graph_rows(fit: GraphFit, n=300, seed=0, shape=SHAPE):
 
 def test_graph_fit_recovers_known_constants():
     frame = _graph_rows(FIT)
-    got = fit_graph(frame)
+    got = fit_graph(frame, FIT.min_tiles)
     for key in ("fixed_s", "s_per_kv_byte", "s_per_merge_byte"):
         assert got[key] == pytest.approx(getattr(FIT, key), rel=1e-6), key
     assert (got["num_ctas"], got["min_tiles"], got["rows"]) == (264, 4, len(frame)) and got["rms_log_err"] < 1e-9

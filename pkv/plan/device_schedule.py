@@ -32,7 +32,7 @@ import numpy as np
 from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
-GRAPH_MIN_TILES = 4     # default smallest CTA range, in tiles (docs/perf-notes.md, v5; 8 in v4)
+GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (docs/perf-notes.md, v5.8; 4 in v5, 8 in v4)
 CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
 MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
 
