@@ -1,6 +1,6 @@
-// PersistentKV v4/v5 decode: device-decided splits; cut segments merged inside the grid by the
-// segment's last CTA (short ones) or its last CTAs (long ones, merge = 4, the default), or by
-// a programmatic-dependent merge kernel (merge = 1, 2, 3).
+// PersistentKV v4/v5 decode: device-decided splits; cut segments merged by the segment's last
+// CTA (short ones), by a programmatic-dependent merge kernel (long ones, merge = 1, the default),
+// or inside the grid by the segment's last CTAs (long ones, merge = 4).
 // graph_decode.h says what the launch computes.
 #include "graph_decode.h"
 
@@ -42,13 +42,17 @@ __device__ __forceinline__ bool merged_in_grid(int states, int merge) {
 // v5.8 (merge = 4): a longer segment is merged inside the decode grid by the last
 // kMergeSlices of its CTAs to count in, one slice of its columns each, no second kernel. The
 // earlier of them wait for the rest to count in (a spin on the segment's counter); only the
-// last few arrivals wait, so at most kMergeSlices - 1 CTAs of a segment ever hold an SM
-// waiting, and the CTAs they wait for have started (docs/graph-decode.md: why it cannot hang).
+// last few arrivals wait, and only in the last piece of their range, so at most
+// kMergeSlices - 1 CTAs of a segment ever hold an SM waiting and no wait holds other work
+// (docs/graph-decode.md: why it cannot hang or chain).
 #ifdef PKV_MERGE_SLICES  // build knob (PKV_NVCC_FLAGS), for measuring alternatives
 constexpr int kMergeSlices = PKV_MERGE_SLICES;
 #else
 constexpr int kMergeSlices = 16;
 #endif
+// A late CTA's count-in (merge = 4): above any number of tickets and second count-ins (the
+// grid is checked below it at launch), so a ticket is the counter's low bits.
+constexpr int kLate = 1 << 16;
 // Merge kernel registers: at d 128 two merge CTAs (<= 56 registers) fit beside a full grid of
 // two decode CTAs per SM, so they are resident (their scan overlapping the decode) and load
 // 3 states a round (4 spill at 56 registers); at d 64 none fits beside three decode CTAs and at d 256 several do, so
@@ -377,20 +381,29 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
       if (pieces == 1) PKV_STAMP(rec, 7);
       const int S = j1 - j0 + 1;
       if (merged_in_grid(S, p.merge)) {
-        // Publish the state, then count in (ticket t). The last K CTAs to count in merge slice
-        // t - (S - K) of the segment's columns: K = 1 for a segment of at most kCtaMergeStates
-        // states (its last CTA, every column), else kMergeSlices (merge = 4), the earlier of
-        // them spinning until all S have counted in. The barrier orders every thread's stores
-        // before thread 0's release (CUTLASS's semaphore); its acquire (the atomic's, or the
-        // spin's load), then the barrier, orders the merger's loads after the others' stores.
-        const int K = merged_in_cta(S, p.merge) ? 1 : (S < kMergeSlices ? S : kMergeSlices), cols = G * D / 4;
+        // Publish the state, then count in. K = 1 (at most kCtaMergeStates states): the last CTA
+        // to count in merges every column, waiting for nobody. Else (merge = 4, `spread`): the e
+        // CTAs for which this piece ends their range take tickets t (count in with 1); CTA j1,
+        // when pieces follow in its range, counts in with kLate and goes on at once, since a wait
+        // there would hold its next pieces and, through them, the next segments' mergers: one
+        // chain through the grid (the reference run at 404ef14: 1.7 ms against 0.14 at B4 33K,
+        // docs/perf-notes.md, v5.8). The last K of the e merge slice t - (e - K), each after a
+        // spin until every CTA has counted in. The barrier orders every thread's stores before
+        // thread 0's release (CUTLASS's semaphore); its acquire (the atomic's, or the spin's
+        // load), then the barrier, orders the merger's loads after the others' stores.
+        const bool spread = !merged_in_cta(S, p.merge);
+        const bool late = spread && j == j1 && piece_end < hi;  // pieces follow in this range
+        const int e = spread && floor_div((j1 + 1) * W, n) > seg_end ? S - 1 : S;
+        const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = G * D / 4;
+        const int all_in = e + (S - e) * kLate;  // the counter once every CTA has counted in
         __syncthreads();
         int* counter = p.counters + r * H + h;
         if (tid == 0) {
-          const int t = atomic_add_acq_rel(counter, 1);
-          if (t >= S - K && t < S - 1)
-            while (ld_acquire(counter) < S) {}
-          s_last = t - (S - K);
+          const int t = atomic_add_acq_rel(counter, late ? kLate : 1) & (kLate - 1);
+          const int k = late ? -1 : t - (e - K);
+          if (spread && k >= 0)
+            while (ld_acquire(counter) < all_in) {}
+          s_last = k;
         }
         __syncthreads();
         const int k = s_last;
@@ -399,8 +412,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
           merge_slice<T, D, kLastCtaInFlight>(p, S, [=](int i) { return i == 0 ? first : 2 * (j0 + i); },
                                               k * cols / K, (k + 1) * cols / K, static_cast<int>(qo / D));
           // Rearmed for the next launch (and graph replay) once no merger still spins: each
-          // counts in again, the one that brings the counter to S + K resets it.
-          if (tid == 0 && (K == 1 || atomicAdd(counter, 1) == S + K - 1)) *counter = 0;
+          // counts in again, the one that brings the counter to all_in + K resets it.
+          if (tid == 0 && (!spread || atomicAdd(counter, 1) == all_in + K - 1)) *counter = 0;
           ++merged;
         }
         __syncthreads();  // s_last is read before the next piece writes it
@@ -560,7 +573,7 @@ int graph_decode_ctas_per_sm(int head_dim) {
 cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
                                 cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
-      p.min_tiles < 1 || p.merge < 0 || p.merge > 4 ||
+      p.num_ctas >= kLate - kMergeSlices || p.min_tiles < 1 || p.merge < 0 || p.merge > 4 ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)

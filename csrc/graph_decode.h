@@ -5,16 +5,17 @@
 // H * sum(tiles) work units into equal contiguous ranges (one per CTA), and attends over
 // the (row, KV head) pieces its range covers. A piece that is a whole segment writes its
 // output; a segment cut across CTAs leaves FP32 partial states, merged
-//  - merge = 4 (v5.8, the default): inside the decode grid. A segment of at most
-//    kCtaMergeStates states by its last CTA to finish (atomic counter); a longer one by the
-//    last kMergeSlices of its CTAs to count in, one slice of its columns each, the earlier of
-//    them spinning on the segment's counter until every CTA has counted in. No second kernel;
-//  - merge = 1 (v5.7): short segments as under 4, a longer one by a merge kernel launched
-//    as a programmatic dependent (PDL) of the decode. The merge kernel decides the same split
+//  - merge = 1 (v5.7, the default): by the segment's last CTA to finish (atomic counter)
+//    when it has at most kCtaMergeStates states, else by a merge kernel launched as a
+//    programmatic dependent (PDL) of the decode. The merge kernel decides the same split
 //    from the same lengths while the decode runs; its CTAs with a job wait for the decode
 //    grid (griddepcontrol.wait) and merge one slice of a segment's columns each, the others
 //    exit at once (CTA 0 after waiting too: the merge grid completes after the decode, so
 //    whatever the stream runs next, PDL or not, reads a finished `out`);
+//  - merge = 4 (v5.8): inside the decode grid, no second kernel. Short segments as under 1;
+//    a longer one by the last kMergeSlices of its CTAs to count in, one slice of its columns
+//    each, the earlier of them spinning on the segment's counter until every CTA has counted
+//    in (only in the last piece of a CTA's range: v5.8.1);
 //  - merge = 0 (v4): every cut segment by its last CTA, no merge kernel;
 //  - merge = 3 (v5.0-v5.6): every cut segment by the merge kernel; 2: the same with no early
 //    trigger (an ablation: the merge grid launches as the decode exits).
@@ -52,10 +53,10 @@ struct GraphDecodeParams {
   int page_shift;           // log2(page size)
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
-  int merge;                // 4: short segments by their last CTA, long ones by their last CTAs,
-                            // in this grid (v5.8); 1: long ones by the PDL merge kernel (v5.7);
-                            // 0: every segment by its last CTA (v4); 3: every one by the merge
-                            // kernel (v5); 2: as 3 with no early trigger
+  int merge;                // 1: short segments by their last CTA, long ones by the PDL merge kernel
+                            // (v5.7); 4: long ones by their last CTAs in this grid (v5.8); 0: every
+                            // segment by its last CTA (v4); 3: every one by the merge kernel (v5);
+                            // 2: as 3 with no early trigger
   float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
 };

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, active_ctas, graph_pieces, graph_schedule, merge_jobs
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES, active_ctas, graph_pieces,
+                                      graph_schedule, grid_merge_roles, merge_jobs)
 from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
@@ -103,10 +104,10 @@ def test_few_segments_never_straddle():
     pieces = graph_pieces([8192], 8, 264, 8)
     assert active_ctas([8192], 8, 264, 8) == 256
     assert len({p.cta for p in pieces}) == len(pieces) == 256
-    # the default (min_tiles 2): 264 CTAs, 33 per segment; B1 1K: 128 CTAs of 2 tiles
+    # the default (min_tiles 4): 264 CTAs, 33 per segment; B1 1K: 64 CTAs of 4 tiles (128 at 2)
     assert active_ctas([8192], 8, 264) == 264 == len(graph_pieces([8192], 8, 264))
-    assert active_ctas([1024], 8, 264) == 128
-    assert active_ctas([1024], 8, 264, 4) == 64
+    assert active_ctas([1024], 8, 264) == 64
+    assert active_ctas([1024], 8, 264, 2) == 128
 
 
 def test_capacity_is_checked():
@@ -141,3 +142,31 @@ def test_padded_step_and_capacity_on_cpu():
     assert out.shape[0] == 3
     with pytest.raises(ValueError, match="exceeds its capacity of 3 rows"):
         engine.prepare(step, rows=4)
+
+
+@pytest.mark.parametrize("name", [*CASES, "B4 near 33K", "bimodal B8"])
+@pytest.mark.parametrize("num_ctas,min_tiles", [(264, 4), (264, 1), (132, 2), (40, 1)])
+def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles):
+    """merge = 4 (v5.8.1): a CTA may wait for a segment's other CTAs only where that segment's
+    piece ends its range. The rule every CTA computes (grid_merge_roles: the late CTA is j1 when
+    its range goes on) must name exactly the CTAs with pieces left, read off the cut itself; the
+    B4 case is a step of the serving trace where v5.8's waits chained through the grid."""
+    lens = np.asarray({"B4 near 33K": [32786, 32801, 32780, 32783],
+                       "bimodal B8": [512, 24576, 700, 30000, 1500, 26000, 480, 31000]}.get(name) or CASES[name])
+    h = 8
+    pieces = graph_pieces(lens, h, num_ctas, min_tiles)
+    last = {p.cta: (p.row, p.kv_head) for p in pieces}          # each CTA's last piece
+    ctas = defaultdict(list)
+    for p in pieces:
+        if p.slot >= 0:
+            ctas[(p.row, p.kv_head)].append(p.cta)
+    roles = grid_merge_roles(lens, h, num_ctas, min_tiles)
+    assert {(g.row, g.kv_head) for g in roles} == {k for k, v in ctas.items() if len(v) > CTA_MERGE_STATES}
+    for g in roles:
+        assert g.ctas == tuple(ctas[(g.row, g.kv_head)])
+        with_work_left = [j for j in g.ctas if last[j] != (g.row, g.kv_head)]
+        assert with_work_left == ([g.late] if g.late is not None else [])
+        assert g.late in (None, g.ctas[-1])
+        assert 1 <= g.slices <= min(MERGE_SLICES, len(g.ctas) - (g.late is not None))
+    if name == "B4 near 33K" and (num_ctas, min_tiles) == (264, 4):
+        assert any(g.late is not None for g in roles)          # the straddling CTAs v5.8 let wait

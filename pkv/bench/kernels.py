@@ -46,6 +46,9 @@ def ragged(seed: int = 20260622) -> list[Case]:
         Case("ragged", "B64 uniform 1-8K", tuple(int(x) for x in rng.integers(1, 8 * K + 1, size=64))),
         Case("ragged", "1x32K + 31 short", (32 * K,) + tuple(int(x) for x in rng.integers(100, 2 * K, size=31))),
         Case("ragged", "1x128K + 7x1K", (128 * K,) + (K,) * 7),
+        # Near-equal long rows whose segments straddle CTA ranges (a serving step of homogeneous
+        # B4, where merge = 4's waits once chained through the grid: docs/perf-notes.md, v5.8).
+        Case("ragged", "B4 32K + 1-200", tuple(32 * K + int(x) for x in rng.integers(1, 201, size=4))),
     ]
 
 

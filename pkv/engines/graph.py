@@ -70,11 +70,11 @@ class GraphPlan(Plan):
 
 
 # pkv-graph's `merge` option (csrc/graph_decode.h): who merges a segment cut across CTAs.
-MERGE_MODES = {4: f"its last CTA up to {CTA_MERGE_STATES} states, else its last {MERGE_SLICES} CTAs, "
-                  "no merge kernel (v5.8, default)",
-               1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7)",
+MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7, default)",
                0: "its last CTA always (v4)", 3: "the PDL merge kernel always (v5)",
-               2: "the merge kernel launched as the decode exits (ablation)"}
+               2: "the merge kernel launched as the decode exits (ablation)",
+               4: f"its last CTA up to {CTA_MERGE_STATES} states, else its last {MERGE_SLICES} CTAs, "
+                  "no merge kernel (v5.8)"}
 MERGE_KERNEL_MODES = (1, 2, 3)   # the modes that launch the merge kernel
 
 
@@ -82,7 +82,7 @@ class GraphEngine(Engine):
     name = "pkv-graph"
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
-                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 4):
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 1):
         super().__init__(cache)
         s = cache.shape
         self.gpu = cache.kv.is_cuda

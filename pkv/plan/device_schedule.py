@@ -11,9 +11,9 @@ last piece otherwise) and the last CTA to finish merges them.
 v5 merges cut segments in a second kernel (a programmatic dependent of the decode) that
 repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
 j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
-segment's float4 columns (`merge_jobs`). v5.7 (merge = 1) leaves a segment of
+segment's float4 columns (`merge_jobs`). v5.7 (merge = 1, the default) leaves a segment of
 at most CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
-v5.8 (merge = 4, the default) launches no merge kernel: a longer segment is merged by the last
+v5.8 (merge = 4, an option until measured after v5.8.1) launches no merge kernel: a longer segment is merged by the last
 MERGE_SLICES of its CTAs to finish, one equal slice of its columns each (the earlier ones wait
 on the segment's counter for the rest).
 
@@ -32,9 +32,19 @@ import numpy as np
 from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
-GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (docs/perf-notes.md, v5.8; 4 in v5, 8 in v4)
+GRAPH_MIN_TILES = 4     # default smallest CTA range, in tiles (docs/perf-notes.md, v5; 8 in v4; v5.8 measured 2)
 CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
 MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
+
+
+@dataclass(frozen=True)
+class GridMerge:
+    """merge = 4's roles for one segment of more than CTA_MERGE_STATES states (v5.8.1)."""
+    row: int
+    kv_head: int
+    ctas: tuple[int, ...]    # j0..j1, the CTAs holding its states
+    late: int | None         # j1 when pieces follow in its range: counts in, never waits or merges
+    slices: int              # K: the last K of the other CTAs to count in merge one slice each
 
 
 @dataclass(frozen=True)
@@ -165,3 +175,31 @@ def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
         if c0 < c1:
             jobs.append(MergeJob(j, r, head, slots, c0, c1))
     return jobs
+
+
+def grid_merge_roles(seq_lens, num_kv_heads: int, num_ctas: int,
+                     min_tiles: int = GRAPH_MIN_TILES) -> list[GridMerge]:
+    """The in-grid merge's roles (merge = 4), as every CTA of csrc/graph_decode.cu computes
+    them from the cut: for each segment cut into more than CTA_MERGE_STATES states, the late
+    CTA (j1, when its range goes on past the segment's end) and the slice count
+    K = min(e, MERGE_SLICES) over the e other CTAs."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    h = num_kv_heads
+    tiles = num_tiles(lens)
+    inc = np.cumsum(tiles)
+    work = int(inc[-1]) * h if len(lens) else 0
+    n = active_ctas(lens, h, num_ctas, min_tiles)
+    roles = []
+    for r in np.flatnonzero(tiles):
+        exc, t = (int(inc[r - 1]) if r else 0), int(tiles[r])
+        for head in range(h):
+            seg_begin = h * exc + head * t
+            seg_end = seg_begin + t
+            j0, j1 = ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
+            states = j1 - j0 + 1
+            if states <= CTA_MERGE_STATES:
+                continue
+            late = j1 if (j1 + 1) * work // n > seg_end else None
+            e = states - (late is not None)
+            roles.append(GridMerge(int(r), head, tuple(range(j0, j1 + 1)), late, min(e, MERGE_SLICES)))
+    return roles

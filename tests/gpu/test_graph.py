@@ -176,7 +176,7 @@ def replay_case(seed, shape):
     return cache, trace_steps(rng, len(reserved), reserved, REPLAY_CAPACITY, 16)
 
 
-def replay_and_check(cache, steps, seed, check_step, merge=4):
+def replay_and_check(cache, steps, seed, check_step, merge=1):
     """Capture pkv-graph once at the bucket, then replay it for every step with fresh queries
     and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step. Every merge
     counter is rearmed (zero) after the last replay."""
