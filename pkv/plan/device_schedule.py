@@ -86,16 +86,9 @@ def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GR
     if lens.ndim != 1 or len(lens) > GRAPH_MAX_ROWS or (lens < 0).any():
         raise ValueError(f"seq_lens must be 1-D, >= 0, at most {GRAPH_MAX_ROWS} rows")
     h = num_kv_heads
-    tiles = num_tiles(lens)
-    inc = np.cumsum(tiles)
-    work = int(inc[-1]) * h if len(lens) else 0
-    n = active_ctas(lens, h, num_ctas, min_tiles)
+    tiles, inc, work, n = _step_cut(lens, h, num_ctas, min_tiles)
     if work == 0:
         return []
-
-    def cta_of(u: int) -> int:
-        return ((u + 1) * n - 1) // work
-
     pieces = []
     for j in range(n):
         lo, hi = j * work // n, (j + 1) * work // n
@@ -111,7 +104,7 @@ def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GR
             seg_begin = row_base + head * t
             seg_end = seg_begin + t
             piece_end = min(hi, seg_end)
-            j0, j1 = cta_of(seg_begin), cta_of(seg_end - 1)
+            j0, j1 = _segment_ctas(seg_begin, seg_end, n, work)
             t_begin = (u - seg_begin) * TILE_TOKENS
             t_end = min((piece_end - seg_begin) * TILE_TOKENS, int(lens[r]))
             if j0 == j1:
@@ -144,18 +137,28 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
     return Schedule("workqueue", num_kv_heads, (launch,))
 
 
+def _step_cut(seq_lens, h: int, num_ctas: int, min_tiles: int):
+    """A step's tiles per row, their inclusive sum, its work units and its active CTAs."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    tiles = num_tiles(lens)
+    inc = np.cumsum(tiles)
+    work = int(inc[-1]) * h if len(lens) else 0
+    return tiles, inc, work, active_ctas(lens, h, num_ctas, min_tiles)
+
+
+def _segment_ctas(seg_begin: int, seg_end: int, n: int, work: int) -> tuple[int, int]:
+    """The first and last CTA whose ranges hold units of [seg_begin, seg_end)."""
+    return ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
+
+
 def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
                min_tiles: int = GRAPH_MIN_TILES, cta_merge_states: int = 0) -> list[MergeJob]:
     """The v5 merge kernel's jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
     (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out.
     Segments of at most `cta_merge_states` states are their last CTA's to merge (merge = 1:
     CTA_MERGE_STATES; merge = 3: 0), not the kernel's."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
     h = num_kv_heads
-    tiles = num_tiles(lens)
-    inc = np.cumsum(tiles)
-    work = int(inc[-1]) * h if len(lens) else 0
-    n = active_ctas(lens, h, num_ctas, min_tiles)
+    tiles, inc, work, n = _step_cut(seq_lens, h, num_ctas, min_tiles)
     jobs = []
     for j in range(1, n):
         lo = j * work // n
@@ -165,7 +168,7 @@ def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
         head = (lo - h * exc) // t
         seg_begin = h * exc + head * t
         seg_end = seg_begin + t
-        j0, j1 = ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
+        j0, j1 = _segment_ctas(seg_begin, seg_end, n, work)
         if j0 == j1 or j == j0 or j1 - j0 + 1 <= cta_merge_states:
             continue
         first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
@@ -183,19 +186,15 @@ def grid_merge_roles(seq_lens, num_kv_heads: int, num_ctas: int,
     them from the cut: for each segment cut into more than CTA_MERGE_STATES states, the late
     CTA (j1, when its range goes on past the segment's end) and the slice count
     K = min(e, MERGE_SLICES) over the e other CTAs."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
     h = num_kv_heads
-    tiles = num_tiles(lens)
-    inc = np.cumsum(tiles)
-    work = int(inc[-1]) * h if len(lens) else 0
-    n = active_ctas(lens, h, num_ctas, min_tiles)
+    tiles, inc, work, n = _step_cut(seq_lens, h, num_ctas, min_tiles)
     roles = []
     for r in np.flatnonzero(tiles):
         exc, t = (int(inc[r - 1]) if r else 0), int(tiles[r])
         for head in range(h):
             seg_begin = h * exc + head * t
             seg_end = seg_begin + t
-            j0, j1 = ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
+            j0, j1 = _segment_ctas(seg_begin, seg_end, n, work)
             states = j1 - j0 + 1
             if states <= CTA_MERGE_STATES:
                 continue
