@@ -50,6 +50,14 @@ constexpr int kMergeSlices = PKV_MERGE_SLICES;
 #else
 constexpr int kMergeSlices = 16;
 #endif
+// The merger's spin: a tight loop of acquire loads on the counter, unless the build knob
+// PKV_SPIN_NS (PKV_NVCC_FLAGS) asks for a back-off, to measure whether the polling slows the
+// segment's other CTAs' count-ins on the same line (docs/perf-notes.md, v5.8).
+__device__ __forceinline__ void spin_pause() {
+#ifdef PKV_SPIN_NS
+  __nanosleep(PKV_SPIN_NS);
+#endif
+}
 // A late CTA's count-in (merge = 4): above any number of tickets and second count-ins (the
 // grid is checked below it at launch), so a ticket is the counter's low bits.
 constexpr int kLate = 1 << 16;
@@ -402,7 +410,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
           const int t = atomic_add_acq_rel(counter, late ? kLate : 1) & (kLate - 1);
           const int k = late ? -1 : t - (e - K);
           if (spread && k >= 0)
-            while (ld_acquire(counter) < all_in) {}
+            while (ld_acquire(counter) < all_in) spin_pause();
           s_last = k;
         }
         __syncthreads();
