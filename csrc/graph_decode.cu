@@ -15,7 +15,8 @@ __device__ unsigned long long g_trace[kTraceRecords * kTraceFields];
 
 constexpr int kMergeThreads = 128;
 static_assert(kMergeThreads == kThreads, "the last-CTA merge runs merge_slice on a decode CTA");
-// States a decode CTA's merge loads per round (merge = 0): its registers are free by then.
+// States a decode CTA's merge loads per round (its last-CTA and in-grid merges): its
+// registers are free by then.
 constexpr int kLastCtaInFlight = 8;
 
 // v5.7 (merge = 1): a cut segment of at most kCtaMergeStates states is merged by its last CTA
@@ -149,6 +150,17 @@ __device__ __forceinline__ int64_t floor_div(int64_t x, int64_t d) {
   return x / d;
 }
 
+// A cut segment's states in merge order (pkv.device_schedule._segment_slots): CTA j0's piece
+// (slot 2 j0 when j0's range starts at the segment, else 2 j0 + 1, its range's last piece),
+// then each later CTA j0 + s's (slot 2 (j0 + s), the piece that starts its range).
+struct SegmentSlots {
+  int j0, first;
+  __device__ __forceinline__ int operator()(int s) const { return s == 0 ? first : 2 * (j0 + s); }
+};
+__device__ __forceinline__ SegmentSlots segment_slots(int j0, int64_t seg_begin, int64_t W, int n) {
+  return {j0, floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1};
+}
+
 // CTAs that get work (pkv.device_schedule.active_ctas): at most the grid, no range under
 // min_tiles; with fewer segments than CTAs, a multiple of the segment count (CTA ranges
 // cut segments alike and no CTA straddles two).
@@ -176,8 +188,8 @@ __device__ __forceinline__ int row_of(const int* s_inc, int R, int H, int64_t u)
 // CTA of a segment (merge = 0) takes every column. The CTA's kMergeThreads threads split
 // the columns and the states, load m, l and acc of kIF states together (one L2 round trip
 // per round), fold them online and reduce a column's thread group by shuffles.
-template <typename T, int D, int kIF, class SlotOf>
-__device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int states, SlotOf slot_of, int c_lo,
+template <typename T, int D, int kIF>
+__device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int states, SegmentSlots slot_of, int c_lo,
                                             int c_hi, int out_at) {
   const int tid = threadIdx.x, G = p.group, cs = c_hi - c_lo, cols = G * D / 4;
   const int num_slots = 2 * p.num_ctas;
@@ -400,8 +412,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         // thread 0's release (CUTLASS's semaphore); its acquire (the atomic's, or the spin's
         // load), then the barrier, orders the merger's loads after the others' stores.
         const bool spread = !merged_in_cta(S, p.merge);
-        const bool late = spread && j == j1 && piece_end < hi;  // pieces follow in this range
-        const int e = spread && floor_div((j1 + 1) * W, n) > seg_end ? S - 1 : S;
+        const int e = spread && floor_div((j1 + 1) * W, n) > seg_end ? S - 1 : S;  // j1's range goes on
+        const bool late = e < S && j == j1;
         const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = G * D / 4;
         const int all_in = e + (S - e) * kLate;  // the counter once every CTA has counted in
         __syncthreads();
@@ -416,9 +428,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         __syncthreads();
         const int k = s_last;
         if (k >= 0) {
-          const int first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
-          merge_slice<T, D, kLastCtaInFlight>(p, S, [=](int i) { return i == 0 ? first : 2 * (j0 + i); },
-                                              k * cols / K, (k + 1) * cols / K, static_cast<int>(qo / D));
+          merge_slice<T, D, kLastCtaInFlight>(p, S, segment_slots(j0, seg_begin, W, n), k * cols / K,
+                                              (k + 1) * cols / K, static_cast<int>(qo / D));
           // Rearmed for the next launch (and graph replay) once no merger still spins: each
           // counts in again, the one that brings the counter to all_in + K resets it.
           if (tid == 0 && (!spread || atomicAdd(counter, 1) == all_in + K - 1)) *counter = 0;
@@ -493,7 +504,8 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   }
   __syncthreads();
   bool job = s_job[0] >= 0;
-  int r = 0, h = 0, j0 = 0, j1 = 0, first = 0;
+  int r = 0, h = 0, j0 = 0, j1 = 0;
+  SegmentSlots slots{0, 0};
   if (job) {
     r = s_job[0];
     const int exc = s_job[1], tiles = s_job[2];
@@ -502,7 +514,7 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
     const int64_t seg_begin = row_base + static_cast<int64_t>(h) * tiles, seg_end = seg_begin + tiles;
     j0 = static_cast<int>(floor_div((seg_begin + 1) * n - 1, W));
     j1 = static_cast<int>(floor_div(seg_end * n - 1, W));
-    first = floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1;
+    slots = segment_slots(j0, seg_begin, W, n);
     job = j0 < j1 && j > j0 && !merged_in_grid(j1 - j0 + 1, p.merge);
   }
   PKV_STAMP(rec, 2);
@@ -520,8 +532,8 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   PKV_STAMP(rec, 3);
   {
     const int slices = j1 - j0, k = j - j0 - 1, cols = G * D / 4;
-    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, [&](int s) { return s == 0 ? first : 2 * (j0 + s); },
-                                              k * cols / slices, (k + 1) * cols / slices, r * Hq + h * G);
+    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, slots, k * cols / slices, (k + 1) * cols / slices,
+                                              r * Hq + h * G);
   }
 #if PKV_TRACE
   if (rec != nullptr && tid == 0) {

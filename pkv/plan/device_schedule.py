@@ -13,9 +13,9 @@ repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut 
 j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
 segment's float4 columns (`merge_jobs`). v5.7 (merge = 1, the default) leaves a segment of
 at most CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
-v5.8 (merge = 4, an option until measured after v5.8.1) launches no merge kernel: a longer segment is merged by the last
-MERGE_SLICES of its CTAs to finish, one equal slice of its columns each (the earlier ones wait
-on the segment's counter for the rest).
+v5.8 (merge = 4, an option until v5.8.1 is measured) launches no merge kernel: a longer
+segment is merged by the last MERGE_SLICES of its CTAs to finish, one equal slice of its
+columns each (the earlier ones wait on the segment's counter for the rest; `grid_merge_roles`).
 
 This module is the CPU oracle of that rule: `graph_schedule` turns it into a
 pkv.plan.schedule.Schedule (one queue launch, tasks in segment order) that
@@ -110,8 +110,7 @@ def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GR
             if j0 == j1:
                 pieces.append(Piece(j, r, head, t_begin, t_end, -1, ()))
             else:
-                first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
-                merger = (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
+                merger = _segment_slots(j0, j1, seg_begin, n, work)
                 pieces.append(Piece(j, r, head, t_begin, t_end, 2 * j if u == lo else 2 * j + 1, merger))
             u = piece_end
     return pieces
@@ -151,6 +150,14 @@ def _segment_ctas(seg_begin: int, seg_end: int, n: int, work: int) -> tuple[int,
     return ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
 
 
+def _segment_slots(j0: int, j1: int, seg_begin: int, n: int, work: int) -> tuple[int, ...]:
+    """A cut segment's states in merge order (csrc/graph_decode.cu's SegmentSlots): CTA j0's
+    piece (slot 2 j0 when j0's range starts at the segment, else 2 j0 + 1), then 2 j for the
+    later CTAs j."""
+    first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
+    return (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
+
+
 def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
                min_tiles: int = GRAPH_MIN_TILES, cta_merge_states: int = 0) -> list[MergeJob]:
     """The v5 merge kernel's jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
@@ -171,8 +178,7 @@ def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
         j0, j1 = _segment_ctas(seg_begin, seg_end, n, work)
         if j0 == j1 or j == j0 or j1 - j0 + 1 <= cta_merge_states:
             continue
-        first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
-        slots = (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
+        slots = _segment_slots(j0, j1, seg_begin, n, work)
         k, slices = j - j0 - 1, j1 - j0
         c0, c1 = k * cols // slices, (k + 1) * cols // slices
         if c0 < c1:
