@@ -504,8 +504,7 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   }
   __syncthreads();
   bool job = s_job[0] >= 0;
-  int r = 0, h = 0, j0 = 0, j1 = 0;
-  SegmentSlots slots{0, 0};
+  int r = 0, h = 0, j0 = 0, j1 = 0, first = 0;
   if (job) {
     r = s_job[0];
     const int exc = s_job[1], tiles = s_job[2];
@@ -514,7 +513,7 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
     const int64_t seg_begin = row_base + static_cast<int64_t>(h) * tiles, seg_end = seg_begin + tiles;
     j0 = static_cast<int>(floor_div((seg_begin + 1) * n - 1, W));
     j1 = static_cast<int>(floor_div(seg_end * n - 1, W));
-    slots = segment_slots(j0, seg_begin, W, n);
+    first = segment_slots(j0, seg_begin, W, n).first;
     job = j0 < j1 && j > j0 && !merged_in_grid(j1 - j0 + 1, p.merge);
   }
   PKV_STAMP(rec, 2);
@@ -532,7 +531,7 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   PKV_STAMP(rec, 3);
   {
     const int slices = j1 - j0, k = j - j0 - 1, cols = G * D / 4;
-    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, slots, k * cols / slices, (k + 1) * cols / slices,
+    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, SegmentSlots{j0, first}, k * cols / slices, (k + 1) * cols / slices,
                                               r * Hq + h * G);
   }
 #if PKV_TRACE
