@@ -71,21 +71,22 @@ template <int D> struct MergeCfg {
   static constexpr int kMinBlocks = D == 128 ? 9 : 4;
 };
 
-// The step's tiles per row, scanned by a CTA of kThreadsT threads, each owning the kPer
-// consecutive rows whose lengths it loaded into len: inc[i] = the thread's inclusive sum of
-// tiles up to its row i, *before = the tiles of every earlier thread's rows, *total = all
-// tiles, *nonzero = the rows of length > 0. One __syncthreads (s_warp, s_nzw: kThreadsT / 32
-// each). The decode and the merge kernel both cut from it, so they agree by construction.
+// A row's units per segment, scanned by a CTA of kThreadsT threads, each owning the kPer
+// consecutive rows whose units it holds in units (tiles, or tiles and set-up units: scan_units):
+// inc[i] = the thread's inclusive sum up to its row i, *before = the units of every earlier
+// thread's rows, *total = all units, *nonzero = the rows with units. One __syncthreads (s_warp,
+// s_nzw: kThreadsT / 32 each). The decode and the merge kernel both cut from it, so they agree
+// by construction.
 template <int kThreadsT, int kPer>
-__device__ __forceinline__ void scan_rows(const int (&len)[kPer], int (&inc)[kPer], int* s_warp, int* s_nzw,
+__device__ __forceinline__ void scan_rows(const int (&units)[kPer], int (&inc)[kPer], int* s_warp, int* s_nzw,
                                           int* before, int* total, int* nonzero) {
   constexpr int kW = kThreadsT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int run = 0, nz = 0;
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
-    run += (len[i] + kTile - 1) / kTile;
-    nz += len[i] > 0;
+    run += units[i];
+    nz += units[i] > 0;
     inc[i] = run;
   }
   int x = run;
@@ -109,12 +110,82 @@ __device__ __forceinline__ void scan_rows(const int (&len)[kPer], int (&inc)[kPe
   *before = b, *total = t, *nonzero = all_nz;
 }
 
+// floor(x / d) for x >= 0, d > 0: an unsigned 32-bit division whenever both fit (every step
+// of up to ~16M work units), else the 64-bit one. (PKV_TRACE put the cut's emulated 64-bit
+// divisions, ~300 clocks each in a dependent chain, before the first block-table load; a
+// double quotient was slower still: docs/perf-notes.md, v5.)
+__device__ __forceinline__ int64_t floor_div(int64_t x, int64_t d) {
+  if (x <= 0xffffffffLL && d <= 0xffffffffLL) return static_cast<uint32_t>(x) / static_cast<uint32_t>(d);
+  return x / d;
+}
+
+// A cut segment's states in merge order (pkv.plan.device_schedule.Cut.slots): CTA j0's piece
+// (slot 2 j0 when j0's range starts in the segment, at it or in its set-up units, else
+// 2 j0 + 1, its range's last piece), then each later CTA j0 + s's (slot 2 (j0 + s), the piece
+// that starts its range).
+struct SegmentSlots {
+  int j0, first;
+  __device__ __forceinline__ int operator()(int s) const { return s == 0 ? first : 2 * (j0 + s); }
+};
+__device__ __forceinline__ SegmentSlots segment_slots(int j0, int64_t seg_begin, int64_t W, int n) {
+  return {j0, floor_div(j0 * W, n) >= seg_begin ? 2 * j0 : 2 * j0 + 1};
+}
+
+// CTAs that get work (pkv.device_schedule.active_ctas): at most the grid, no range under
+// min_tiles; with fewer segments than CTAs, a multiple of the segment count (CTA ranges
+// cut segments alike and no CTA straddles two).
+__device__ __forceinline__ int active_ctas(int64_t W, int segments, const GraphDecodeParams& p) {
+  const int64_t want = floor_div(W + p.min_tiles - 1, p.min_tiles);
+  int n = static_cast<int>(want < p.num_ctas ? want : p.num_ctas);
+  if (segments > 0 && segments <= n) n = n / segments * segments;
+  return n;
+}
+
+__device__ __forceinline__ int tiles_of(int len) { return (len + kTile - 1) / kTile; }
+
+// The step's scan (pkv.plan.device_schedule.Cut): rows' units scanned (scan_rows) into inc,
+// *before and *vtotal (the cut's units); *total = the tiles. The units are the tiles, or, v5.9
+// with piece_cost > 0, the tiles and piece_cost set-up units in front of each segment of a row
+// whose segments are shorter than a CTA's range (0 < tiles and tiles * n < H * total, n =
+// active_ctas of the tiles): the tiles' totals first (a reduction, one barrier), then the
+// scan. Without set-up units, *vtotal = *total.
+template <int kThreadsT, int kPer>
+__device__ __forceinline__ void scan_units(const GraphDecodeParams& p, const int (&len)[kPer], int (&inc)[kPer],
+                                           int* s_warp, int* s_nzw, int* before, int* total, int* vtotal,
+                                           int* nonzero) {
+  constexpr int kW = kThreadsT / 32;
+  int units[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) units[i] = tiles_of(len[i]);
+  if (p.piece_cost > 0) {
+    int t = 0, nz = 0;
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) t += units[i], nz += units[i] > 0;
+#pragma unroll
+    for (int o = 16; o; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o), nz += __shfl_xor_sync(0xffffffffu, nz, o);
+    if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = t, s_nzw[threadIdx.x >> 5] = nz;
+    __syncthreads();
+    t = 0, nz = 0;
+#pragma unroll
+    for (int w = 0; w < kW; ++w) t += s_warp[w], nz += s_nzw[w];
+    const int64_t W = static_cast<int64_t>(t) * p.num_kv_heads;
+    const int64_t n = active_ctas(W, nz * p.num_kv_heads, p);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) units[i] += units[i] > 0 && units[i] * n < W ? p.piece_cost : 0;
+    *total = t;
+    __syncthreads();  // every thread's reads of s_warp and s_nzw precede the scan's writes
+  }
+  scan_rows<kThreadsT>(units, inc, s_warp, s_nzw, before, vtotal, nonzero);
+  if (p.piece_cost == 0) *total = *vtotal;
+}
+
 // The decode's scan: every length and block-table row id loaded in one round, scanned
-// (scan_rows), then s_inc (inclusive prefix sum of tiles over rows), s_len and s_req in
-// shared memory. Returns total tiles and, in *nonzero, the rows of length > 0.
+// (scan_units), then s_inc (inclusive prefix sum of units over rows), s_len and s_req in
+// shared memory. Returns total tiles and, in *vtotal, the cut's units, in *nonzero, the rows
+// of length > 0.
 template <int kThreadsT>
 __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc, int* s_len, int* s_req, int* s_warp,
-                                         int* s_nzw, int* nonzero, unsigned long long* rec) {
+                                         int* s_nzw, int* nonzero, int* vtotal, unsigned long long* rec) {
   constexpr int kPer = kGraphMaxRows / kThreadsT;
   const int tid = threadIdx.x, R = p.num_rows;
   int len[kPer], req[kPer], inc[kPer];
@@ -127,7 +198,7 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
   PKV_STAMP_AFTER(rec, 13, len[0] + req[0]);  // the lengths' round trip
   (void)rec;
   int before, total;
-  scan_rows<kThreadsT>(len, inc, s_warp, s_nzw, &before, &total, nonzero);
+  scan_units<kThreadsT>(p, len, inc, s_warp, s_nzw, &before, &total, vtotal, nonzero);
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int r = tid * kPer + i;
@@ -141,35 +212,6 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
   return total;
 }
 
-// floor(x / d) for x >= 0, d > 0: an unsigned 32-bit division whenever both fit (every step
-// of up to ~16M work units), else the 64-bit one. (PKV_TRACE put the cut's emulated 64-bit
-// divisions, ~300 clocks each in a dependent chain, before the first block-table load; a
-// double quotient was slower still: docs/perf-notes.md, v5.)
-__device__ __forceinline__ int64_t floor_div(int64_t x, int64_t d) {
-  if (x <= 0xffffffffLL && d <= 0xffffffffLL) return static_cast<uint32_t>(x) / static_cast<uint32_t>(d);
-  return x / d;
-}
-
-// A cut segment's states in merge order (pkv.device_schedule._segment_slots): CTA j0's piece
-// (slot 2 j0 when j0's range starts at the segment, else 2 j0 + 1, its range's last piece),
-// then each later CTA j0 + s's (slot 2 (j0 + s), the piece that starts its range).
-struct SegmentSlots {
-  int j0, first;
-  __device__ __forceinline__ int operator()(int s) const { return s == 0 ? first : 2 * (j0 + s); }
-};
-__device__ __forceinline__ SegmentSlots segment_slots(int j0, int64_t seg_begin, int64_t W, int n) {
-  return {j0, floor_div(j0 * W, n) == seg_begin ? 2 * j0 : 2 * j0 + 1};
-}
-
-// CTAs that get work (pkv.device_schedule.active_ctas): at most the grid, no range under
-// min_tiles; with fewer segments than CTAs, a multiple of the segment count (CTA ranges
-// cut segments alike and no CTA straddles two).
-__device__ __forceinline__ int active_ctas(int64_t W, int segments, const GraphDecodeParams& p) {
-  const int64_t want = floor_div(W + p.min_tiles - 1, p.min_tiles);
-  int n = static_cast<int>(want < p.num_ctas ? want : p.num_ctas);
-  if (segments > 0 && segments <= n) n = n / segments * segments;
-  return n;
-}
 
 // First row whose units end past unit u (binary search over the scanned prefix sums).
 __device__ __forceinline__ int row_of(const int* s_inc, int R, int H, int64_t u) {
@@ -307,15 +349,16 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   const int tid = threadIdx.x;
   const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
 
-  // 1. The step's work: tiles per row, scanned.
-  int nonzero;
-  const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero, rec);
+  // 1. The step's work: tiles per row (and set-up units, v5.9), scanned.
+  int nonzero, vtotal;
+  const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero, &vtotal, rec);
   PKV_STAMP(rec, 2);
 
-  // 2. This CTA's range of work units (unit = one tile of one KV head; segment (r, h)
-  //    holds units [H*exc_r + h*tiles_r, +tiles_r)). Balanced to one tile.
-  const int64_t W = static_cast<int64_t>(total) * H;
-  const int n = active_ctas(W, nonzero * H, p);
+  // 2. This CTA's range of work units (unit = one tile of one KV head, or a set-up unit in
+  //    front of a short segment's tiles; segment (r, h) holds units [H*exc_r + h*u_r, +u_r),
+  //    u_r = its tiles and set-up units). Balanced to one unit; the CTA count is the tiles'.
+  const int n = active_ctas(static_cast<int64_t>(total) * H, nonzero * H, p);
+  const int64_t W = static_cast<int64_t>(vtotal) * H;
   const int j = blockIdx.x;
   if (j >= n) {
 #if PKV_TRACE
@@ -331,9 +374,10 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   // set-up (in-order work that came before its page-id loads: ~1.4 us at B1 1K, docs/perf-notes.md),
   // so those loads find it there. Row r has tiles (row_of skips empty rows); one line holds 32 ids.
   if (tid == 0) {
-    const int exc = r ? s_inc[r - 1] : 0, tiles = s_inc[r] - exc;
+    const int exc = r ? s_inc[r - 1] : 0, units = s_inc[r] - exc, setup = units - tiles_of(s_len[r]);
     const int64_t within = lo - static_cast<int64_t>(H) * exc;   // units into row r
-    const int t0 = static_cast<int>(static_cast<uint32_t>(within) % static_cast<uint32_t>(tiles)) * kTile;
+    const int into = static_cast<int>(static_cast<uint32_t>(within) % static_cast<uint32_t>(units)) - setup;
+    const int t0 = (into > 0 ? into : 0) * kTile;
     prefetch_l2(p.block_table + static_cast<int64_t>(s_req[r]) * p.bt_stride + (t0 >> p.page_shift));
   }
   const int num_slots = 2 * p.num_ctas;
@@ -345,14 +389,20 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
 
   for (int64_t u = lo; u < hi;) {
     while (static_cast<int64_t>(H) * s_inc[r] <= u) ++r;
-    const int exc = r ? s_inc[r - 1] : 0, tiles = s_inc[r] - exc;
+    const int exc = r ? s_inc[r - 1] : 0, units = s_inc[r] - exc, setup = units - tiles_of(s_len[r]);
     const int64_t row_base = static_cast<int64_t>(H) * exc;
-    const int h = static_cast<int>(static_cast<uint32_t>(u - row_base) / static_cast<uint32_t>(tiles));
-    const int64_t seg_begin = row_base + static_cast<int64_t>(h) * tiles, seg_end = seg_begin + tiles;
+    const int h = static_cast<int>(static_cast<uint32_t>(u - row_base) / static_cast<uint32_t>(units));
+    const int64_t seg_begin = row_base + static_cast<int64_t>(h) * units, seg_end = seg_begin + units;
     const int64_t piece_end = hi < seg_end ? hi : seg_end;
-    const int j0 = cta_of(seg_begin), j1 = cta_of(seg_end - 1);
-    // A segment's first CTA stores its piece in slot 2j0 when its range starts there,
-    // else 2j0 + 1 (its last piece); every later CTA's piece starts its range: slot 2j.
+    // The piece's tiles (v5.9: after the segment's set-up units); set-up units only: no piece.
+    const int tile_lo = static_cast<int>(u - seg_begin) - setup, tile_hi = static_cast<int>(piece_end - seg_begin) - setup;
+    if (tile_hi <= 0) {
+      u = piece_end;
+      continue;
+    }
+    const int j0 = cta_of(seg_begin + setup), j1 = cta_of(seg_end - 1);  // the CTAs holding its tiles
+    // A segment's first CTA stores its piece in slot 2j0 when its range starts in the
+    // segment, else 2j0 + 1 (its last piece); every later CTA's piece starts its range: slot 2j.
     const int slot = u == lo ? 2 * j : 2 * j + 1;
     const int64_t qo = (static_cast<int64_t>(r) * Hq + h * G) * D;
 
@@ -366,8 +416,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.tok_stride = p.token_stride;
     a.cap_log2 = p.soft_cap_log2;
     a.page_shift = p.page_shift;
-    a.t_begin = static_cast<int>(u - seg_begin) * kTile;
-    a.t_end = min(static_cast<int>(piece_end - seg_begin) * kTile, s_len[r]);
+    a.t_begin = (tile_lo > 0 ? tile_lo : 0) * kTile;
+    a.t_end = min(tile_hi * kTile, s_len[r]);
     a.valid_end = a.t_end;
     a.group = G;
     a.scale_log2 = p.scale_log2 * p.k_scale;
@@ -466,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
 template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_merge_kernel(const GraphDecodeParams p) {
   constexpr int kW = kMergeThreads / 32, kPer = kGraphMaxRows / kMergeThreads;
-  __shared__ int s_warp[kW], s_nzw[kW], s_job[3];  // s_job: row, tiles before it, its tiles
+  __shared__ int s_warp[kW], s_nzw[kW], s_job[3];  // s_job: row, units before it, its units
 #if PKV_TRACE
   unsigned long long* rec = g_trace + static_cast<int64_t>(kTraceCtas + blockIdx.x) * kTraceFields;
   if (threadIdx.x == 0 && blockIdx.x < kTraceCtas) rec[0] = globaltimer_ns();
@@ -486,10 +536,10 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
     len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
   }
   if (tid == 0) s_job[0] = -1;  // ordered before the readers by scan_rows' barrier
-  int before, total, all_nz;
-  scan_rows<kMergeThreads>(len, inc, s_warp, s_nzw, &before, &total, &all_nz);
-  const int64_t W = static_cast<int64_t>(total) * H;
-  const int n = active_ctas(W, all_nz * H, p);
+  int before, total, vtotal, all_nz;
+  scan_units<kMergeThreads>(p, len, inc, s_warp, s_nzw, &before, &total, &vtotal, &all_nz);
+  const int n = active_ctas(static_cast<int64_t>(total) * H, all_nz * H, p);
+  const int64_t W = static_cast<int64_t>(vtotal) * H;
   const int j = blockIdx.x;
   const int64_t lo = j > 0 && j < n ? floor_div(j * W, n) : -1;
   if (lo >= 0) {  // the row whose units hold lo: exactly one (row, thread) sees it
@@ -507,11 +557,13 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   int r = 0, h = 0, j0 = 0, j1 = 0, first = 0;
   if (job) {
     r = s_job[0];
-    const int exc = s_job[1], tiles = s_job[2];
+    const int exc = s_job[1], units = s_job[2];
+    // Its set-up units (v5.9): its length read again (an L2 hit) rather than held in registers.
+    const int setup = p.piece_cost > 0 ? units - tiles_of(__ldg(p.seq_lens + r)) : 0;
     const int64_t row_base = static_cast<int64_t>(H) * exc;
-    h = static_cast<int>(static_cast<uint32_t>(lo - row_base) / static_cast<uint32_t>(tiles));
-    const int64_t seg_begin = row_base + static_cast<int64_t>(h) * tiles, seg_end = seg_begin + tiles;
-    j0 = static_cast<int>(floor_div((seg_begin + 1) * n - 1, W));
+    h = static_cast<int>(static_cast<uint32_t>(lo - row_base) / static_cast<uint32_t>(units));
+    const int64_t seg_begin = row_base + static_cast<int64_t>(h) * units, seg_end = seg_begin + units;
+    j0 = static_cast<int>(floor_div((seg_begin + setup + 1) * n - 1, W));  // the CTA holding its first tile
     j1 = static_cast<int>(floor_div(seg_end * n - 1, W));
     first = segment_slots(j0, seg_begin, W, n).first;
     job = j0 < j1 && j > j0 && !merged_in_grid(j1 - j0 + 1, p.merge);
@@ -593,6 +645,7 @@ cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv
                                 cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
       p.num_ctas >= kLate - kMergeSlices || p.min_tiles < 1 || p.merge < 0 || p.merge > 4 ||
+      p.piece_cost < 0 || p.piece_cost > kMaxPieceCost ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)

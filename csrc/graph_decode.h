@@ -3,7 +3,9 @@
 // The grid is fixed by capacity (CTAs per SM x SMs), so one CUDA graph replays any step
 // up to `num_rows` rows. Every CTA reads the step's lengths, cuts the step's
 // H * sum(tiles) work units into equal contiguous ranges (one per CTA), and attends over
-// the (row, KV head) pieces its range covers. A piece that is a whole segment writes its
+// the (row, KV head) pieces its range covers (v5.9, piece_cost > 0: a segment shorter than a
+// range also holds set-up units in front of its tiles, so that ranges are equal in tiles plus
+// the pieces' set-ups). A piece that is a whole segment writes its
 // output; a segment cut across CTAs leaves FP32 partial states, merged
 //  - merge = 1 (v5.7, the default): by the segment's last CTA to finish (atomic counter)
 //    when it has at most kCtaMergeStates states, else by a merge kernel launched as a
@@ -30,6 +32,7 @@
 namespace pkv {
 
 constexpr int kGraphMaxRows = 1024;  // rows one step may hold (lengths are scanned in shared memory)
+constexpr int kMaxPieceCost = 64;    // GraphDecodeParams::piece_cost's bound
 
 struct GraphDecodeParams {
   const void* q;            // [num_rows, Hq, D]
@@ -53,6 +56,8 @@ struct GraphDecodeParams {
   int page_shift;           // log2(page size)
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
+  int piece_cost;           // v5.9: set-up units in front of each segment shorter than a CTA's
+                            // range (0..kMaxPieceCost; 0: the cut counts tiles only)
   int merge;                // 1: short segments by their last CTA, long ones by the PDL merge kernel
                             // (v5.7); 4: long ones by their last CTAs in this grid (v5.8); 0: every
                             // segment by its last CTA (v4); 3: every one by the merge kernel (v5);

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES
+from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_PIECE_COST, MERGE_SLICES, PIECE_COST
 from pkv.engines import graph, persistent
 from pkv.plan.schedule import TILE_TOKENS
 
@@ -31,6 +31,7 @@ def constexpr(name: str) -> int:
     ("kGraphMaxRows", GRAPH_MAX_ROWS),
     ("kCtaMergeStates", CTA_MERGE_STATES),
     ("kMergeSlices", MERGE_SLICES),
+    ("kMaxPieceCost", MAX_PIECE_COST),
     ("kMaxGroup", graph.MAX_GROUP),
     ("kMaxClusterSplits", persistent.MAX_CLUSTER_SPLITS),
     ("kMaxSegSlots", persistent.MAX_SPLITS),
@@ -64,3 +65,10 @@ def test_decode_op_takes_the_launch_builder_names():
     names = [a.split()[-1] for a in schema.group(1).split(", ")]
     assert names[:7] == ["q", "kv", "block_table", "meta", "out", "partial", "counters"]
     assert names[7:] == list(persistent.KERNEL_ARGS)
+
+
+def test_graph_ops_default_to_the_python_piece_cost():
+    """Both pkv-graph ops' schemas default piece_cost to pkv.plan.device_schedule.PIECE_COST."""
+    text = SOURCES["binding.cpp"].replace('"\n        "', "")
+    defaults = re.findall(r"int piece_cost=(\d+)\)", text)
+    assert defaults and {int(d) for d in defaults} == {PIECE_COST}, defaults

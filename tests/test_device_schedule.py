@@ -8,6 +8,7 @@ the task list executed by the reference engine equals plain attention.
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 
 import numpy as np
@@ -32,10 +33,11 @@ CASES = {
 
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("num_ctas,min_tiles", [(264, 8), (264, 1), (132, 2), (7, 1)])
-def test_pieces_cover_every_token_once(name, num_ctas, min_tiles):
+@pytest.mark.parametrize("piece_cost", [0, 1, 3])
+def test_pieces_cover_every_token_once(name, num_ctas, min_tiles, piece_cost):
     lens = np.asarray(CASES[name])
     h = 8
-    pieces = graph_pieces(lens, h, num_ctas, min_tiles)
+    pieces = graph_pieces(lens, h, num_ctas, min_tiles, piece_cost)
     seen = defaultdict(list)
     for p in pieces:
         assert 0 <= p.t_begin < p.t_end <= lens[p.row] and p.t_begin % TILE_TOKENS == 0
@@ -51,10 +53,11 @@ def test_pieces_cover_every_token_once(name, num_ctas, min_tiles):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_ranges_balanced_and_slots_consistent(name):
+@pytest.mark.parametrize("piece_cost", [0, 1, 3])
+def test_ranges_balanced_and_slots_consistent(name, piece_cost):
     lens = np.asarray(CASES[name])
     h, num_ctas = 8, 264
-    pieces = graph_pieces(lens, h, num_ctas)
+    pieces = graph_pieces(lens, h, num_ctas, piece_cost=piece_cost)
     n = active_ctas(lens, h, num_ctas)
     work = defaultdict(int)
     slots = defaultdict(list)
@@ -63,8 +66,11 @@ def test_ranges_balanced_and_slots_consistent(name):
         if p.slot >= 0:
             assert p.slot in (2 * p.cta, 2 * p.cta + 1)
             slots[(p.row, p.kv_head)].append(p.slot)
-    assert max(work.values()) - min(work.values()) <= 1          # balanced to one tile
-    assert set(work) == set(range(n))
+    if piece_cost == 0:
+        assert max(work.values()) - min(work.values()) <= 1      # balanced to one tile
+        assert set(work) == set(range(n))
+    else:   # balanced in tiles and set-ups (test_pieces_are_the_units_cut_equally)
+        assert set(work) <= set(range(n))
     for p in pieces:
         if p.slot >= 0:   # the merger reads exactly the slots the segment's pieces wrote
             assert sorted(p.merger_slots) == sorted(slots[(p.row, p.kv_head)])
@@ -75,19 +81,20 @@ def test_ranges_balanced_and_slots_consistent(name):
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("num_ctas,min_tiles,cols", [(264, 8, 128), (264, 1, 16), (132, 2, 512), (7, 1, 32)])
 @pytest.mark.parametrize("cta_merge_states", [0, CTA_MERGE_STATES])
-def test_merge_jobs_cover_every_cut_segment_once(name, num_ctas, min_tiles, cols, cta_merge_states):
+@pytest.mark.parametrize("piece_cost", [0, 2])
+def test_merge_jobs_cover_every_cut_segment_once(name, num_ctas, min_tiles, cols, cta_merge_states, piece_cost):
     """The merge kernel (merge = 3: every cut segment; merge = 1: those of more than
     CTA_MERGE_STATES states, the rest being their last CTA's): every such segment's columns
     merged exactly once, from exactly the slots its pieces wrote, each merge CTA at most one job."""
     lens = np.asarray(CASES[name])
     h = 8
     written = defaultdict(set)
-    for p in graph_pieces(lens, h, num_ctas, min_tiles):
+    for p in graph_pieces(lens, h, num_ctas, min_tiles, piece_cost):
         if p.slot >= 0:
             written[(p.row, p.kv_head)].add(p.slot)
             assert set(p.merger_slots) == written[(p.row, p.kv_head)] | set(p.merger_slots)
     covered = defaultdict(list)
-    jobs = merge_jobs(lens, h, num_ctas, cols, min_tiles, cta_merge_states)
+    jobs = merge_jobs(lens, h, num_ctas, cols, min_tiles, cta_merge_states, piece_cost)
     assert len({j.cta for j in jobs}) == len(jobs)
     for j in jobs:
         assert set(j.slots) == written[(j.row, j.kv_head)] and len(j.slots) == len(set(j.slots))
@@ -110,24 +117,83 @@ def test_few_segments_never_straddle():
     assert active_ctas([1024], 8, 264, 2) == 128
 
 
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("num_ctas,min_tiles", [(264, 4), (132, 2), (7, 1)])
+@pytest.mark.parametrize("piece_cost", [0, 1, 3])
+def test_pieces_are_the_units_cut_equally(name, num_ctas, min_tiles, piece_cost):
+    """The cut spelled out unit by unit: every segment (row, KV head) in order, its set-up
+    units (piece_cost where the row's segments are shorter than a CTA's range) then its tiles;
+    CTA j takes units [j U / n, (j + 1) U / n); its pieces are the runs of one segment's tiles."""
+    lens = np.asarray(CASES[name])
+    h = 8
+    n = active_ctas(lens, h, num_ctas, min_tiles)
+    tiles = num_tiles(lens)
+    work = int(tiles.sum()) * h
+    units = []
+    for r, t in enumerate(tiles.tolist()):
+        for g in range(h if t else 0):
+            units += [None] * (piece_cost if t * n < work else 0) + [(r, g, i) for i in range(t)]
+    want = []
+    for j in range(n):
+        mine = [x for x in units[j * len(units) // n:(j + 1) * len(units) // n] if x is not None]
+        for (r, g), run in itertools.groupby(mine, key=lambda x: x[:2]):
+            run = [i for _, _, i in run]
+            want.append((j, r, g, run[0] * TILE_TOKENS, min((run[-1] + 1) * TILE_TOKENS, int(lens[r]))))
+    got = [(p.cta, p.row, p.kv_head, p.t_begin, p.t_end) for p in graph_pieces(lens, h, num_ctas, min_tiles, piece_cost)]
+    assert got == want
+
+
+@pytest.mark.parametrize("lens", [[8192], [1024], [1024] * 32, [40_000] * 3, [16384, 20000, 1 << 17]])
+def test_piece_cost_leaves_steps_of_long_segments_alone(lens):
+    """Set-up units go in front of segments shorter than a CTA's range only: a step whose
+    segments all span a range (B1 1K ... B32 1K, long rows) is cut as without them."""
+    assert graph_pieces(lens, 8, 264, piece_cost=3) == graph_pieces(lens, 8, 264)
+
+
+@pytest.mark.parametrize("name", ["B8 bimodal 512/24K", "1x32K + 31 short", "B16 uniform 1-8K", "1x128K + 7x1K"])
+def test_piece_cost_evens_tiles_plus_pieces(name):
+    """What v5.9 is for (docs/perf-notes.md): with a set-up of one tile a piece, the busiest
+    CTA's tiles + pieces come closer to the mean than the tiles-only cut leaves them."""
+    from pkv.bench.kernels import ragged
+
+    lens = next(c.lens for c in ragged() if c.name == name)
+
+    def busiest(piece_cost):
+        load = defaultdict(int)
+        for p in graph_pieces(lens, 8, 264, piece_cost=piece_cost):
+            load[p.cta] += num_tiles(p.t_end - p.t_begin) + 1
+        return max(load.values()) / np.mean(list(load.values()))
+
+    assert busiest(1) < busiest(0) - 0.02 and busiest(1) < 1.03
+
+
+def test_piece_cost_is_bounded():
+    with pytest.raises(ValueError, match="piece_cost"):
+        graph_pieces([100, 5000], 8, 264, piece_cost=65)
+
+
 def test_capacity_is_checked():
     with pytest.raises(ValueError, match="at most"):
         graph_pieces(np.ones(GRAPH_MAX_ROWS + 1, dtype=np.int64), 8, 264)
 
 
-def test_cpu_engine_matches_reference():
+@pytest.mark.parametrize("piece_cost", [0, 2])
+def test_cpu_engine_matches_reference(piece_cost):
     lens = np.array([5000, 31, 1, 700, 2048, 33])
     shape = Shape(20, 4, 64, 16, "float32")
     cache = PagedCache.random(shape, assign_pages(lens, 16, 0.5, 3), seed=3)
     step = StepState(0, np.array([4, 1, 0, 3, 5]), np.array([2000, 31, 4999, 1, 33], dtype=np.int32))
     q = cache.query(5, 1)
-    engine = make_engine("pkv-graph", cache)
+    engine = make_engine("pkv-graph", cache, piece_cost=piece_cost)
     out = engine.run(q, engine.prepare(step))
     ids = torch.as_tensor(step.request_ids)
     ref = attention_reference(q, cache.kv, cache.block_table[ids], torch.as_tensor(step.seq_lens))
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
-    sched = graph_schedule(step.seq_lens, 4, engine.num_ctas, engine.min_tiles)
-    assert sched.launches[0].num_tasks == len(graph_pieces(step.seq_lens, 4, engine.num_ctas, engine.min_tiles))
+    sched = graph_schedule(step.seq_lens, 4, engine.num_ctas, engine.min_tiles, piece_cost)
+    assert sched.launches[0].num_tasks == len(graph_pieces(step.seq_lens, 4, engine.num_ctas, engine.min_tiles,
+                                                           piece_cost))
+    with pytest.raises(ValueError, match="piece_cost"):
+        make_engine("pkv-graph", cache, piece_cost=-1)
 
 
 def test_padded_step_and_capacity_on_cpu():
@@ -146,26 +212,30 @@ def test_padded_step_and_capacity_on_cpu():
 
 @pytest.mark.parametrize("name", [*CASES, "B4 near 33K", "bimodal B8"])
 @pytest.mark.parametrize("num_ctas,min_tiles", [(264, 4), (264, 1), (132, 2), (40, 1)])
-def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles):
+@pytest.mark.parametrize("piece_cost", [0, 1, 3])
+def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles, piece_cost):
     """merge = 4 (v5.8.1): a CTA may wait for a segment's other CTAs only where that segment's
     piece ends its range. The rule every CTA computes (grid_merge_roles: the late CTA is j1 when
-    its range goes on) must name exactly the CTAs with pieces left, read off the cut itself; the
-    B4 case is a step of the serving trace where v5.8's waits chained through the grid."""
+    its range goes on) must name the CTAs with pieces left, read off the cut itself (exactly
+    those with piece_cost 0; with set-up units a late CTA's range may go on into set-up units
+    only, so it waits for nothing and merges nothing without need); the B4 case is a step of
+    the serving trace where v5.8's waits chained through the grid."""
     lens = np.asarray({"B4 near 33K": [32786, 32801, 32780, 32783],
                        "bimodal B8": [512, 24576, 700, 30000, 1500, 26000, 480, 31000]}.get(name) or CASES[name])
     h = 8
-    pieces = graph_pieces(lens, h, num_ctas, min_tiles)
+    pieces = graph_pieces(lens, h, num_ctas, min_tiles, piece_cost)
     last = {p.cta: (p.row, p.kv_head) for p in pieces}          # each CTA's last piece
     ctas = defaultdict(list)
     for p in pieces:
         if p.slot >= 0:
             ctas[(p.row, p.kv_head)].append(p.cta)
-    roles = grid_merge_roles(lens, h, num_ctas, min_tiles)
+    roles = grid_merge_roles(lens, h, num_ctas, min_tiles, piece_cost)
     assert {(g.row, g.kv_head) for g in roles} == {k for k, v in ctas.items() if len(v) > CTA_MERGE_STATES}
     for g in roles:
         assert g.ctas == tuple(ctas[(g.row, g.kv_head)])
         with_work_left = [j for j in g.ctas if last[j] != (g.row, g.kv_head)]
-        assert with_work_left == ([g.late] if g.late is not None else [])
+        late = [g.late] if g.late is not None else []
+        assert with_work_left == late if piece_cost == 0 else set(with_work_left) <= set(late)
         assert g.late in (None, g.ctas[-1])
         assert 1 <= g.slices <= min(MERGE_SLICES, len(g.ctas) - (g.late is not None))
     if name == "B4 near 33K" and (num_ctas, min_tiles) == (264, 4):

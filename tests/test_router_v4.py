@@ -50,21 +50,22 @@ def _without_graph(constants: dict) -> dict:
     return d
 
 
-def _oracle(lens, h, num_ctas, min_tiles):
-    pieces = graph_pieces(np.asarray(lens), h, num_ctas, min_tiles)
+def _oracle(lens, h, num_ctas, min_tiles, piece_cost=0):
+    pieces = graph_pieces(np.asarray(lens), h, num_ctas, min_tiles, piece_cost)
     return len({p.cta for p in pieces}), sum(p.slot != -1 for p in pieces)
 
 
 @settings(max_examples=150, deadline=None)
 @given(lens=st.lists(st.integers(0, 9000), min_size=1, max_size=40), h=st.sampled_from([1, 2, 8]),
-       num_ctas=st.sampled_from([1, 3, 64, 264]), min_tiles=st.integers(1, 8), repeat=st.booleans())
-def test_graph_counts_are_the_device_rule(lens, h, num_ctas, min_tiles, repeat):
+       num_ctas=st.sampled_from([1, 3, 64, 264]), min_tiles=st.integers(1, 8), repeat=st.booleans(),
+       piece_cost=st.sampled_from([0, 0, 1, 3]))
+def test_graph_counts_are_the_device_rule(lens, h, num_ctas, min_tiles, repeat, piece_cost):
     """CTAs with work and the cut segments' partial states, as graph_pieces lists them."""
     if repeat:
         lens = lens[: len(lens) // 2 + 1] * 2
     if sum(lens) == 0:
         lens = [*lens[:-1], 1]
-    assert graph_counts(lens, h, num_ctas, min_tiles) == _oracle(lens, h, num_ctas, min_tiles)
+    assert graph_counts(lens, h, num_ctas, min_tiles, piece_cost) == _oracle(lens, h, num_ctas, min_tiles, piece_cost)
 
 
 @pytest.mark.parametrize("seed", range(12))

@@ -18,7 +18,8 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MERGE_SLICES, graph_schedule
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_PIECE_COST, MERGE_SLICES,
+                                      PIECE_COST, graph_schedule)
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -62,8 +63,8 @@ class GraphPlan(Plan):
     @property
     def counters(self) -> Counters:
         if self._counters is None:
-            shape, num_ctas, min_tiles, num_sms, merge = self._counter_args
-            cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles)
+            shape, num_ctas, min_tiles, num_sms, merge, piece_cost = self._counter_args
+            cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles, piece_cost)
             self._counters = Counters(1, int(merge in MERGE_KERNEL_MODES), 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
                                       int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes))
         return self._counters
@@ -82,7 +83,8 @@ class GraphEngine(Engine):
     name = "pkv-graph"
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
-                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 1):
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 1,
+                 piece_cost: int = PIECE_COST):
         super().__init__(cache)
         s = cache.shape
         self.gpu = cache.kv.is_cuda
@@ -98,13 +100,17 @@ class GraphEngine(Engine):
             raise ValueError(f"merge is one of {sorted(MERGE_MODES)}, got {merge}: " + "; ".join(
                 f"{k}: {v}" for k, v in MERGE_MODES.items()))
         self.merge = int(merge)   # how cut segments merge on the GPU; the CPU oracle is the same for all
+        if not 0 <= piece_cost <= MAX_PIECE_COST:
+            raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a short segment's piece costs in "
+                             f"the cut (v5.9; 0: tiles only), got {piece_cost}")
+        self.piece_cost = int(piece_cost)
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
             self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms
         else:
             sms = num_sms or CPU_NUM_CTAS // 2
             self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
-        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.merge)
+        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.merge, self.piece_cost)
         dev = cache.device
         slots = 2 * self.num_ctas
         self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
@@ -141,12 +147,13 @@ class GraphEngine(Engine):
             scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale, "v_scale": sc.v_scale}
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
-                                  merge=self.merge)
+                                  merge=self.merge, piece_cost=self.piece_cost)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))
         table = self.cache.block_table[torch.as_tensor(plan.step.request_ids)]
-        schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles)
+        schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles,
+                                  self.piece_cost)
         out[:b] = run_schedule(q[:b], c.values(), table, lens, schedule).to(q.dtype)
         return out
 

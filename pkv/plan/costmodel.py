@@ -69,6 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pkv.plan.device_schedule import PIECE_COST
 from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, slot_bytes, workqueue_chunk, workqueue_row_splits
 from pkv.core.shape import Shape
 
@@ -311,12 +312,13 @@ def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
                      float(tasks * slot_bytes(shape)) if merging else 0.0)
 
 
-def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int) -> tuple[int, int]:
+def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
+                 piece_cost: int = PIECE_COST) -> tuple[int, int]:
     """(CTAs with work, partial states of the cut segments) of pkv-graph's device rule
-    (pkv.plan.device_schedule: n CTAs take equal ranges of the H * sum(tiles) units; a
-    segment (row, KV head) that a range boundary falls inside is cut, and each of its
-    pieces leaves one partial state to merge). Equal to what graph_pieces lists
-    (tests/test_router_v4.py), without listing the pieces: O(n) numpy on a miss."""
+    (pkv.plan.device_schedule: n CTAs take equal ranges of the step's units, a segment's
+    tiles after its set-up units; a segment that a range boundary falls inside its tiles
+    is cut, and each of its pieces leaves one partial state to merge). Equal to what
+    graph_pieces lists (tests/test_router_v4.py), without listing the pieces: O(n) numpy on a miss."""
     tiles = (np.asarray(seq_lens, dtype=np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
     h = num_kv_heads
     work = int(tiles.sum()) * h
@@ -328,12 +330,15 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int) -> 
         n = n // segments * segments
     if n == 1:
         return 1, 0
-    ends = h * np.cumsum(tiles)                        # each row's last unit + 1
-    bounds = np.arange(1, n, dtype=np.int64) * work // n    # CTA range boundaries, distinct (work >= n)
+    setup = np.where((tiles > 0) & (tiles * n < work), piece_cost, 0)
+    seg_units = tiles + setup
+    ends = h * np.cumsum(seg_units)                    # each row's last unit + 1
+    units = int(ends[-1])
+    bounds = np.arange(1, n, dtype=np.int64) * units // n   # CTA range boundaries, distinct (units >= n)
     rows = np.searchsorted(ends, bounds, side="right")     # the row holding unit `bound`
-    t = tiles[rows]
+    t = seg_units[rows]
     offset = bounds - (ends[rows] - h * t)                 # units into that row
-    inside = offset % t != 0                               # strictly inside a segment: a cut
+    inside = offset % t > setup[rows]                      # strictly inside a segment's tiles: a cut
     cuts = int(np.count_nonzero(inside))
     if not cuts:
         return n, 0
@@ -342,11 +347,11 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int) -> 
     return n, cuts + cut_segments                          # a segment cut k times has k + 1 pieces
 
 
-def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int) -> RouteCost:
+def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost: int = PIECE_COST) -> RouteCost:
     """pkv-graph on one step: all useful KV bytes in one launch over `ctas` CTAs, plus the
     cut segments' partial states (merge bytes)."""
     lens = _lengths(seq_lens)
-    n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles)
+    n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles, piece_cost)
     return RouteCost(GRAPH, float(sum(lens) * shape.kv_bytes_per_token), float(n), 1, float(states * slot_bytes(shape)))
 
 

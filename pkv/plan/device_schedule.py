@@ -8,6 +8,15 @@ segment inside one CTA is written directly; a segment cut across CTAs j0..j1 lea
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
 last piece otherwise) and the last CTA to finish merges them.
 
+v5.9 (`piece_cost` P > 0, an option until measured): each piece also costs a set-up that
+its tiles do not count (block-table ids, the prologue's copies, the first tile's latency,
+the drain), so a CTA over many short segments did more than one over one long segment. Where
+a row's segments are shorter than a CTA's range (0 < tiles(r) and tiles(r) * n < W, n and W
+as above), each of them holds P set-up units in front of its tiles: the cut then shares
+tiles plus set-ups equally. n stays the tiles' (`active_ctas`); a piece of set-up units only
+is no piece; a segment's first CTA j0 is the one holding its first tile. P = 0 is the cut
+before, unit for unit (`Cut`).
+
 v5 merges cut segments in a second kernel (a programmatic dependent of the decode) that
 repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
 j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
@@ -35,6 +44,8 @@ GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
 GRAPH_MIN_TILES = 4     # default smallest CTA range, in tiles (docs/perf-notes.md, v5; 8 in v4; v5.8 measured 2)
 CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
 MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
+PIECE_COST = 0          # default set-up units in front of a short segment (v5.9; 0: not counted)
+MAX_PIECE_COST = 64     # kMaxPieceCost
 
 
 @dataclass(frozen=True)
@@ -80,46 +91,42 @@ def active_ctas(seq_lens: np.ndarray, num_kv_heads: int, num_ctas: int, min_tile
     return n
 
 
-def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES) -> list[Piece]:
+def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
+                 piece_cost: int = PIECE_COST) -> list[Piece]:
     """Every CTA's pieces, in CTA order, exactly as the kernel cuts them (rows of length 0 are padding)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     if lens.ndim != 1 or len(lens) > GRAPH_MAX_ROWS or (lens < 0).any():
         raise ValueError(f"seq_lens must be 1-D, >= 0, at most {GRAPH_MAX_ROWS} rows")
-    h = num_kv_heads
-    tiles, inc, work, n = _step_cut(lens, h, num_ctas, min_tiles)
-    if work == 0:
+    cut = Cut.of(lens, num_kv_heads, num_ctas, min_tiles, piece_cost)
+    if cut.units == 0:
         return []
     pieces = []
-    for j in range(n):
-        lo, hi = j * work // n, (j + 1) * work // n
+    for j in range(cut.n):
+        lo, hi = cut.lo(j), cut.lo(j + 1)
         u = lo
-        r = int(np.searchsorted(h * inc, lo, side="right"))
         while u < hi:
-            while h * int(inc[r]) <= u:
-                r += 1
-            exc = int(inc[r - 1]) if r else 0
-            t = int(tiles[r])
-            row_base = h * exc
-            head = (u - row_base) // t
-            seg_begin = row_base + head * t
-            seg_end = seg_begin + t
+            r, head, seg_begin, seg_end = cut.segment(u)
             piece_end = min(hi, seg_end)
-            j0, j1 = _segment_ctas(seg_begin, seg_end, n, work)
-            t_begin = (u - seg_begin) * TILE_TOKENS
-            t_end = min((piece_end - seg_begin) * TILE_TOKENS, int(lens[r]))
-            if j0 == j1:
-                pieces.append(Piece(j, r, head, t_begin, t_end, -1, ()))
-            else:
-                merger = _segment_slots(j0, j1, seg_begin, n, work)
-                pieces.append(Piece(j, r, head, t_begin, t_end, 2 * j if u == lo else 2 * j + 1, merger))
+            setup = int(cut.setup[r])
+            t_begin = max(u - seg_begin - setup, 0) * TILE_TOKENS
+            t_end = min(max(piece_end - seg_begin - setup, 0) * TILE_TOKENS, int(lens[r]))
+            if t_end > t_begin:   # else set-up units only: no piece
+                j0, j1 = cut.ctas(r, seg_begin, seg_end)
+                if j0 == j1:
+                    pieces.append(Piece(j, r, head, t_begin, t_end, -1, ()))
+                else:
+                    pieces.append(Piece(j, r, head, t_begin, t_end, 2 * j if u == lo else 2 * j + 1,
+                                        cut.slots(j0, j1, seg_begin)))
             u = piece_end
     return pieces
 
 
-def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES) -> Schedule:
+def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
+                   piece_cost: int = PIECE_COST) -> Schedule:
     """The pieces as one queue launch (tasks grouped by segment) for pkv.kernels.reference.run_schedule."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    pieces = sorted(graph_pieces(lens, num_kv_heads, num_ctas, min_tiles), key=lambda p: (p.row, p.kv_head, p.t_begin))
+    pieces = sorted(graph_pieces(lens, num_kv_heads, num_ctas, min_tiles, piece_cost),
+                    key=lambda p: (p.row, p.kv_head, p.t_begin))
     rows = np.flatnonzero(lens > 0).astype(np.int32)
     segs = {}
     for p in pieces:
@@ -136,49 +143,72 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
     return Schedule("workqueue", num_kv_heads, (launch,))
 
 
-def _step_cut(seq_lens, h: int, num_ctas: int, min_tiles: int):
-    """A step's tiles per row, their inclusive sum, its work units and its active CTAs."""
-    lens = np.asarray(seq_lens, dtype=np.int64)
-    tiles = num_tiles(lens)
-    inc = np.cumsum(tiles)
-    work = int(inc[-1]) * h if len(lens) else 0
-    return tiles, inc, work, active_ctas(lens, h, num_ctas, min_tiles)
+@dataclass(frozen=True)
+class Cut:
+    """One step's cut as every CTA computes it: rows' tiles and set-up units, their inclusive
+    sum over rows, the step's units (tiles and set-ups) and its active CTAs."""
+    tiles: np.ndarray    # tiles per row
+    setup: np.ndarray    # set-up units in front of each of the row's segments (v5.9)
+    inc: np.ndarray      # inclusive sum over rows of tiles + setup
+    h: int
+    units: int           # h * inc[-1]: what the CTA ranges share
+    n: int               # active CTAs (of the tiles alone: active_ctas)
+
+    @classmethod
+    def of(cls, seq_lens, h: int, num_ctas: int, min_tiles: int, piece_cost: int) -> "Cut":
+        if not 0 <= piece_cost <= MAX_PIECE_COST:
+            raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a piece, got {piece_cost}")
+        lens = np.asarray(seq_lens, dtype=np.int64)
+        tiles = num_tiles(lens)
+        n = active_ctas(lens, h, num_ctas, min_tiles)
+        work = int(tiles.sum()) * h
+        setup = np.where((tiles > 0) & (tiles * n < work), piece_cost, 0).astype(np.int64)
+        inc = np.cumsum(tiles + setup)
+        return cls(tiles, setup, inc, h, int(inc[-1]) * h if len(lens) else 0, n)
+
+    def lo(self, j: int) -> int:
+        """CTA j's first unit (lo(n) = units)."""
+        return j * self.units // self.n
+
+    def cta_of(self, u: int) -> int:
+        """The CTA whose range holds unit u."""
+        return ((u + 1) * self.n - 1) // self.units
+
+    def segment(self, u: int) -> tuple[int, int, int, int]:
+        """(row, KV head, first unit, end unit) of the segment holding unit u."""
+        r = int(np.searchsorted(self.h * self.inc, u, side="right"))
+        exc = int(self.inc[r - 1]) if r else 0
+        t = int(self.inc[r]) - exc
+        head = (u - self.h * exc) // t
+        seg_begin = self.h * exc + head * t
+        return r, head, seg_begin, seg_begin + t
+
+    def ctas(self, r: int, seg_begin: int, seg_end: int) -> tuple[int, int]:
+        """The first and last CTA holding tiles of the segment [seg_begin, seg_end) of row r."""
+        return self.cta_of(seg_begin + int(self.setup[r])), self.cta_of(seg_end - 1)
+
+    def slots(self, j0: int, j1: int, seg_begin: int) -> tuple[int, ...]:
+        """A cut segment's states in merge order (csrc/graph_decode.cu's SegmentSlots): CTA j0's
+        piece (slot 2 j0 when j0's range starts in the segment, else 2 j0 + 1), then 2 j for the
+        later CTAs j."""
+        first = 2 * j0 if self.lo(j0) >= seg_begin else 2 * j0 + 1
+        return (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
 
 
-def _segment_ctas(seg_begin: int, seg_end: int, n: int, work: int) -> tuple[int, int]:
-    """The first and last CTA whose ranges hold units of [seg_begin, seg_end)."""
-    return ((seg_begin + 1) * n - 1) // work, (seg_end * n - 1) // work
-
-
-def _segment_slots(j0: int, j1: int, seg_begin: int, n: int, work: int) -> tuple[int, ...]:
-    """A cut segment's states in merge order (csrc/graph_decode.cu's SegmentSlots): CTA j0's
-    piece (slot 2 j0 when j0's range starts at the segment, else 2 j0 + 1), then 2 j for the
-    later CTAs j."""
-    first = 2 * j0 if j0 * work // n == seg_begin else 2 * j0 + 1
-    return (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
-
-
-def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
-               min_tiles: int = GRAPH_MIN_TILES, cta_merge_states: int = 0) -> list[MergeJob]:
+def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int, min_tiles: int = GRAPH_MIN_TILES,
+               cta_merge_states: int = 0, piece_cost: int = PIECE_COST) -> list[MergeJob]:
     """The v5 merge kernel's jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
     (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out.
     Segments of at most `cta_merge_states` states are their last CTA's to merge (merge = 1:
     CTA_MERGE_STATES; merge = 3: 0), not the kernel's."""
-    h = num_kv_heads
-    tiles, inc, work, n = _step_cut(seq_lens, h, num_ctas, min_tiles)
+    cut = Cut.of(seq_lens, num_kv_heads, num_ctas, min_tiles, piece_cost)
     jobs = []
-    for j in range(1, n):
-        lo = j * work // n
-        r = int(np.searchsorted(h * inc, lo, side="right"))
-        exc = int(inc[r - 1]) if r else 0
-        t = int(tiles[r])
-        head = (lo - h * exc) // t
-        seg_begin = h * exc + head * t
-        seg_end = seg_begin + t
-        j0, j1 = _segment_ctas(seg_begin, seg_end, n, work)
-        if j0 == j1 or j == j0 or j1 - j0 + 1 <= cta_merge_states:
+    for j in range(1, cut.n):
+        r, head, seg_begin, seg_end = cut.segment(cut.lo(j))
+        j0, j1 = cut.ctas(r, seg_begin, seg_end)
+        if j0 >= j1 or j <= j0 or j1 - j0 + 1 <= cta_merge_states:
             continue
-        slots = _segment_slots(j0, j1, seg_begin, n, work)
+        slots = cut.slots(j0, j1, seg_begin)
         k, slices = j - j0 - 1, j1 - j0
         c0, c1 = k * cols // slices, (k + 1) * cols // slices
         if c0 < c1:
@@ -186,25 +216,25 @@ def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int,
     return jobs
 
 
-def grid_merge_roles(seq_lens, num_kv_heads: int, num_ctas: int,
-                     min_tiles: int = GRAPH_MIN_TILES) -> list[GridMerge]:
+def grid_merge_roles(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
+                     piece_cost: int = PIECE_COST) -> list[GridMerge]:
     """The in-grid merge's roles (merge = 4), as every CTA of csrc/graph_decode.cu computes
     them from the cut: for each segment cut into more than CTA_MERGE_STATES states, the late
     CTA (j1, when its range goes on past the segment's end) and the slice count
     K = min(e, MERGE_SLICES) over the e other CTAs."""
-    h = num_kv_heads
-    tiles, inc, work, n = _step_cut(seq_lens, h, num_ctas, min_tiles)
+    cut = Cut.of(seq_lens, num_kv_heads, num_ctas, min_tiles, piece_cost)
     roles = []
-    for r in np.flatnonzero(tiles):
-        exc, t = (int(inc[r - 1]) if r else 0), int(tiles[r])
-        for head in range(h):
-            seg_begin = h * exc + head * t
+    for r in np.flatnonzero(cut.tiles):
+        exc = int(cut.inc[r - 1]) if r else 0
+        t = int(cut.inc[r]) - exc          # units of each of the row's segments
+        for head in range(cut.h):
+            seg_begin = cut.h * exc + head * t
             seg_end = seg_begin + t
-            j0, j1 = _segment_ctas(seg_begin, seg_end, n, work)
+            j0, j1 = cut.ctas(int(r), seg_begin, seg_end)
             states = j1 - j0 + 1
             if states <= CTA_MERGE_STATES:
                 continue
-            late = j1 if (j1 + 1) * work // n > seg_end else None
+            late = j1 if cut.lo(j1 + 1) > seg_end else None
             e = states - (late is not None)
             roles.append(GridMerge(int(r), head, tuple(range(j0, j1 + 1)), late, min(e, MERGE_SLICES)))
     return roles

@@ -101,8 +101,27 @@ def test_merge_paths(merge, min_tiles, group, head_dim):
     check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"merge {merge} mt {min_tiles}")
 
 
+@pytest.mark.parametrize("piece_cost", [1, 3])
+@pytest.mark.parametrize("merge", [1, 4])
+@pytest.mark.parametrize("lengths", ["many-short", "one-long", "bimodal", "mixed"])
+@pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 256)])
+def test_piece_cost(piece_cost, merge, lengths, group, head_dim):
+    """v5.9's cut with set-up units in front of short segments (docs/perf-notes.md): ranges that
+    start, end or lie in set-up units, segments whose first CTA is not the one holding their
+    first unit, merged in the CTA, by the merge kernel and in the grid."""
+    seed = seed_of("graph-piece-cost", piece_cost, merge, lengths, group, head_dim)
+    rng = np.random.default_rng(seed)
+    lens = ([int(rng.integers(20 * K, 40 * K))] + rng.integers(1, 200, size=30).tolist() if lengths == "mixed"
+            else lens_for(lengths, rng))
+    cache, step, q = make_case(lens, group=group, num_kv_heads=4, head_dim=head_dim, seed=seed)
+    engine = make_engine("pkv-graph", cache, merge=merge, piece_cost=piece_cost)
+    check(run_graph(engine, step, q), reference(cache, step, q), "float16",
+          f"piece_cost {piece_cost} merge {merge} {lengths} G{group} d{head_dim}")
+
+
 # The compute-sanitizer grid (docs/perf-notes.md, v5): every pkv-graph path (16-bit d 64/128/256,
-# FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0, 3 and 4) on a
+# FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0, 3 and 4, the
+# v5.9 cut's set-up units under merge 1 and 4) on a
 # grid of 8 SMs' worth of CTAs; run with
 #   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
 #     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_graph.py -k sanitizer_grid
@@ -118,11 +137,11 @@ def test_sanitizer_grid(head_dim, kv, page, lens):
     seed = seed_of("sanitizer", head_dim, kv, page, lens)
     cache, step, q = make_case(list(lens), group=4, num_kv_heads=2, head_dim=head_dim, page_size=page, seed=seed)
     run_cache = cache if kv == "auto" else cache.quantized(kv)
-    for merge in (1, 0, 3, 4):
-        engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge)
+    for merge, piece_cost in ((1, 0), (0, 0), (3, 0), (4, 0), (1, 2), (4, 2)):
+        engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge, piece_cost=piece_cost)
         out = run_graph(engine, step, q)
         ref = reference(run_cache, step, q) if kv == "auto" else reference_dequantized(run_cache, step, q)
-        check(out, ref, "float16", f"sanitizer grid d{head_dim} {kv} p{page} {lens} merge {merge}")
+        check(out, ref, "float16", f"sanitizer grid d{head_dim} {kv} p{page} {lens} merge {merge} pc {piece_cost}")
 
 
 def reference_dequantized(cache8, step, q):
@@ -153,15 +172,15 @@ def trace_steps(rng, num_requests, reserved, capacity, num_steps):
     return steps
 
 
-@pytest.mark.parametrize("group,head_dim,dtype,merge", [(4, 128, "float16", 1), (4, 128, "float16", 4),
-                                                        (7, 128, "bfloat16", 1), (2, 256, "float16", 4),
-                                                        (8, 64, "float16", 1)])
-def test_graph_replay_over_a_trace(group, head_dim, dtype, merge):
-    seed = seed_of("replay", group, head_dim, dtype, merge)
+@pytest.mark.parametrize("group,head_dim,dtype,merge,piece_cost", [
+    (4, 128, "float16", 1, 0), (4, 128, "float16", 4, 0), (7, 128, "bfloat16", 1, 0), (2, 256, "float16", 4, 0),
+    (8, 64, "float16", 1, 0), (4, 128, "float16", 4, 1), (4, 128, "float16", 1, 2)])
+def test_graph_replay_over_a_trace(group, head_dim, dtype, merge, piece_cost):
+    seed = seed_of("replay", group, head_dim, dtype, merge, *([piece_cost] if piece_cost else []))
     cache, steps = replay_case(seed, Shape(group * 4, 4, head_dim, 16, dtype))
     replay_and_check(cache, steps, seed,
                      lambda t, out, step, q: check(out, reference(cache, step, q), dtype, f"replay step {t}"),
-                     merge=merge)
+                     merge=merge, piece_cost=piece_cost)
 
 
 REPLAY_CAPACITY = 12
@@ -176,11 +195,11 @@ def replay_case(seed, shape):
     return cache, trace_steps(rng, len(reserved), reserved, REPLAY_CAPACITY, 16)
 
 
-def replay_and_check(cache, steps, seed, check_step, merge=1):
+def replay_and_check(cache, steps, seed, check_step, merge=1, piece_cost=0):
     """Capture pkv-graph once at the bucket, then replay it for every step with fresh queries
     and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step. Every merge
     counter is rearmed (zero) after the last replay."""
-    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, merge=merge)
+    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, merge=merge, piece_cost=piece_cost)
     q_static = cache.query(REPLAY_CAPACITY, seed)
     plan = engine.prepare(steps[0], rows=REPLAY_CAPACITY)
     engine.run(q_static, plan)
