@@ -16,7 +16,7 @@ from pkv.core.shape import Shape
 from pkv.measure import calibrate
 from pkv.measure.calibrate import fit_baseline, fit_constants, fit_host_s
 from pkv.plan.costmodel import BaselineFit, Constants, GraphFit, RouteCost, Router, baseline_cost, estimate
-from router_constants import cpu_constants
+from router_constants import cpu_constants, fake_measure
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = Shape()
@@ -110,7 +110,6 @@ def test_the_split_0_run_replays_graphs_where_the_config_times_them(monkeypatch)
 
     cfg = effective(yaml.safe_load((ROOT / "config.yaml").read_text()), "smoke")
     cfg["measure"]["graph"] = True
-    from test_router_v4 import fake_measure
 
     runs = []
     monkeypatch.setattr(calibrate, "measure", fake_measure(runs, {}))

@@ -30,7 +30,7 @@ from pkv.plan.costmodel import (GRAPH, OBJECTIVES, Constants, GraphFit, RouteCos
                                 graph_cost, graph_counts)
 from pkv.plan.device_schedule import graph_pieces
 from pkv.plan.schedule import SplitPolicy, slot_bytes
-from router_constants import cpu_constants
+from router_constants import cpu_constants, fake_measure
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "calibration" / "constants.json"
@@ -145,20 +145,6 @@ def test_graph_rows_join_the_sweep_without_moving_the_other_fits():
     assert k.graph.fixed_s == pytest.approx(FIT.fixed_s, rel=1e-6)
     assert "graph" not in fit_constants(committed, cal, cfg["baselines"], shape.kv_bytes_per_token,
                                         shape.num_kv_heads)
-
-
-def fake_measure(seen: list, fastest: dict):
-    """A stand-in for pkv.measure.loop.measure that records each run (job, engines and the
-    scheduled engines' splits) and returns one row per engine, the wall time least at
-    `fastest[kind]` (the split the grid should choose for that route)."""
-    def run(job, cache, steps, engines, *a, **kw):
-        splits = {name: e.policy.splits for name, e in engines.items() if hasattr(e, "policy")}
-        seen.append((job.family, job.max_active, job.seed, job.split, tuple(engines), splits, kw.get("graph")))
-        rows = [{"engine": name, "family": job.family, "max_active": job.max_active, "split": job.split, "active": 1,
-                 "wall_s": 1.0 + abs(job.split - fastest.get(name.removeprefix("pkv-"), job.split))}
-                for name in engines]
-        return pd.DataFrame(rows)
-    return run
 
 
 def test_the_sweep_runs_pkv_graph_once_per_point_on_the_calibration_seed(monkeypatch):
