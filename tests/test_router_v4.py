@@ -206,6 +206,15 @@ def test_adaptive_with_old_constants_builds_no_graph_route():
     assert engine.prepare(_step([301, 77, 150])).route != "pkv-graph"
 
 
+def test_adaptive_cuts_pkv_graph_as_its_fit_was_calibrated():
+    """The graph route is built, and its states counted, with the fit's min_tiles and piece_cost."""
+    fit = GraphFit(1e-7, 1e-10, 1e-10, 264, 2, piece_cost=3)
+    engine = make_engine("adaptive", _cache(), constants=cpu_constants(graph=fit), point="p")
+    assert (engine.pkv[GRAPH].min_tiles, engine.pkv[GRAPH].piece_cost) == (2, 3)
+    assert engine.router.graph[1:] == (2, 3)
+    assert GraphFit.from_dict({k: getattr(fit, k) for k in GraphFit.KEYS if k != "piece_cost"}).piece_cost == 0
+
+
 def test_objective_switches_the_decision_where_host_time_dominates():
     """pkv-graph slower on the device, far cheaper on the host: serial takes it, overlapped not."""
     k = cpu_constants(graph=GraphFit(1.5e-3, 0.0, 0.0, 264, 4),

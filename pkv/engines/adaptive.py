@@ -64,8 +64,8 @@ class AdaptiveEngine(Engine):
                 elif kind == GRAPH and self.k.graph is not None and _graph_runs(cache):
                     # The grid the calibration fitted on (on the CPU, the oracle's default grid).
                     g = self.k.graph
-                    self.pkv[kind] = make_engine(name, cache, min_tiles=g.min_tiles)
-                    graph = (self.pkv[kind].num_ctas, g.min_tiles)
+                    self.pkv[kind] = make_engine(name, cache, min_tiles=g.min_tiles, piece_cost=g.piece_cost)
+                    graph = (self.pkv[kind].num_ctas, g.min_tiles, g.piece_cost)
         self.inner_engines = [*self.baselines.values(), *self.pkv.values()]
         self.validate = validate
         self.router = Router(cache.shape, self.k, self.baselines, self.policies, cache=cache_decisions,

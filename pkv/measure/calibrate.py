@@ -46,7 +46,7 @@ from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
 from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
 from pkv.measure.timing import sync
-from pkv.plan.device_schedule import GRAPH_MIN_TILES
+from pkv.plan.device_schedule import GRAPH_MIN_TILES, PIECE_COST
 
 FIT_CTAS = tuple(2 ** i for i in range(8))
 
@@ -252,7 +252,7 @@ def nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best[1]
 
 
-def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES) -> dict | None:
+def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES, piece_cost: int = PIECE_COST) -> dict | None:
     """pkv-graph's GraphFit from its rows of the sweep, or None where it has none: the
     coefficients of T = fixed + KV bytes * a + merge bytes * b, non-negative, minimizing
     the squared relative error against the measured device time. The grid (num_ctas) is
@@ -265,7 +265,7 @@ def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES) -> dict | N
         raise ValueError(f"pkv-graph rows of the sweep ran on several grids: {sorted(grids)}")
     features = np.column_stack([np.ones(len(rows)), rows["useful_kv_bytes"].to_numpy(), rows["merge_bytes"].to_numpy()])
     x, err = _relative_fit(features, _device(rows))
-    fit = GraphFit(float(x[0]), float(x[1]), float(x[2]), int(grids[0]), int(min_tiles))
+    fit = GraphFit(float(x[0]), float(x[1]), float(x[2]), int(grids[0]), int(min_tiles), int(piece_cost))
     return {**{key: getattr(fit, key) for key in GraphFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
 
 

@@ -87,11 +87,13 @@ class GraphFit:
     s_per_merge_byte: float   # per partial-state byte of the cut segments (written, then merged)
     num_ctas: int             # the grid the calibration ran (CTAs/SM x SMs)
     min_tiles: int            # the smallest CTA range, in tiles
+    piece_cost: int = 0       # the cut's set-up units a short segment (v5.9); absent from older constants: 0
 
-    KEYS = ("fixed_s", "s_per_kv_byte", "s_per_merge_byte", "num_ctas", "min_tiles")
+    KEYS = ("fixed_s", "s_per_kv_byte", "s_per_merge_byte", "num_ctas", "min_tiles", "piece_cost")
 
     def __post_init__(self) -> None:
-        if min(self.fixed_s, self.s_per_kv_byte, self.s_per_merge_byte) < 0 or self.num_ctas < 1 or self.min_tiles < 1:
+        if (min(self.fixed_s, self.s_per_kv_byte, self.s_per_merge_byte) < 0 or self.num_ctas < 1 or self.min_tiles < 1
+                or self.piece_cost < 0):
             raise ValueError(f"graph fit out of range: {self}")
 
     def device_s(self, cost: "RouteCost") -> float:
@@ -100,7 +102,7 @@ class GraphFit:
     @classmethod
     def from_dict(cls, d: dict) -> "GraphFit":
         return cls(float(d["fixed_s"]), float(d["s_per_kv_byte"]), float(d["s_per_merge_byte"]), int(d["num_ctas"]),
-                   int(d["min_tiles"]))
+                   int(d["min_tiles"]), int(d.get("piece_cost", 0)))
 
 
 @dataclass(frozen=True)
@@ -403,7 +405,7 @@ class Router:
       route costs and estimates equal bucket_cost/workqueue_cost/baseline_cost's.
 
     `cache=False` gives the uncached decision (every step evaluated exactly). `graph` is
-    the pkv-graph engine's (num_ctas, min_tiles) where it was built; it is a candidate only
+    the pkv-graph engine's (num_ctas, min_tiles[, piece_cost]) where it was built; it is a candidate only
     with a GraphFit in the constants (the same gates as the other PersistentKV routes).
     `objective` is "serial" or "overlapped" (module docstring).
     """
@@ -413,7 +415,7 @@ class Router:
     MAX_ENTRIES = 4096
 
     def __init__(self, shape: Shape, k: Constants, baselines, policies: dict, cache: bool = True,
-                 objective: str = "serial", graph: tuple[int, int] | None = None):
+                 objective: str = "serial", graph: tuple[int, ...] | None = None):
         self.k, self.shape = k, shape
         self.baselines = tuple(baselines)
         self.policies = dict(policies)          # "bucket"/"workqueue" -> SplitPolicy; empty = gated out
