@@ -14,6 +14,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pkv.core.cache import PagedCache
 from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES, active_ctas, graph_pieces,
@@ -117,30 +119,60 @@ def test_few_segments_never_straddle():
     assert active_ctas([1024], 8, 264, 2) == 128
 
 
+def pieces_unit_by_unit(lens, h, num_ctas, min_tiles, piece_cost):
+    """The cut spelled out unit by unit: every segment (row, KV head) in order, its set-up
+    units (piece_cost where the row's segments are shorter than a CTA's range) then its tiles;
+    CTA j takes units [j U / n, (j + 1) U / n); its pieces are the runs of one segment's tiles,
+    a cut segment's piece in slot 2j when CTA j's range starts in that segment (in its tiles
+    or its set-up units), else 2j + 1; the merge order: the first CTA's slot, then 2j."""
+    lens = np.asarray(lens)
+    n = active_ctas(lens, h, num_ctas, min_tiles)
+    tiles = num_tiles(lens)
+    work = int(tiles.sum()) * h
+    units = []   # (row, head, tile index or None for a set-up unit)
+    for r, t in enumerate(tiles.tolist()):
+        for g in range(h if t else 0):
+            units += [(r, g, None)] * (piece_cost if t * n < work else 0) + [(r, g, i) for i in range(t)]
+    runs, holders = [], defaultdict(list)
+    for j in range(n):
+        mine = units[j * len(units) // n:(j + 1) * len(units) // n]
+        for (r, g), run in itertools.groupby(mine, key=lambda x: x[:2]):
+            run = [i for _, _, i in run if i is not None]
+            if run:
+                runs.append((j, r, g, run[0] * TILE_TOKENS, min((run[-1] + 1) * TILE_TOKENS, int(lens[r])),
+                             mine[0][:2] == (r, g)))
+                holders[(r, g)].append(j)
+    want = []
+    for j, r, g, t0, t1, starts in runs:
+        ctas = holders[(r, g)]
+        if len(ctas) == 1:
+            want.append((j, r, g, t0, t1, -1, ()))
+            continue
+        slot = 2 * j if starts else 2 * j + 1
+        first = next(2 * c if st else 2 * c + 1 for c, rr, gg, _, _, st in runs if (rr, gg) == (r, g))
+        want.append((j, r, g, t0, t1, slot, (first, *(2 * c for c in ctas[1:]))))
+    return want
+
+
+def _pieces(lens, h, num_ctas, min_tiles, piece_cost):
+    return [(p.cta, p.row, p.kv_head, p.t_begin, p.t_end, p.slot, p.merger_slots)
+            for p in graph_pieces(lens, h, num_ctas, min_tiles, piece_cost)]
+
+
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("num_ctas,min_tiles", [(264, 4), (132, 2), (7, 1)])
 @pytest.mark.parametrize("piece_cost", [0, 1, 3])
 def test_pieces_are_the_units_cut_equally(name, num_ctas, min_tiles, piece_cost):
-    """The cut spelled out unit by unit: every segment (row, KV head) in order, its set-up
-    units (piece_cost where the row's segments are shorter than a CTA's range) then its tiles;
-    CTA j takes units [j U / n, (j + 1) U / n); its pieces are the runs of one segment's tiles."""
-    lens = np.asarray(CASES[name])
-    h = 8
-    n = active_ctas(lens, h, num_ctas, min_tiles)
-    tiles = num_tiles(lens)
-    work = int(tiles.sum()) * h
-    units = []
-    for r, t in enumerate(tiles.tolist()):
-        for g in range(h if t else 0):
-            units += [None] * (piece_cost if t * n < work else 0) + [(r, g, i) for i in range(t)]
-    want = []
-    for j in range(n):
-        mine = [x for x in units[j * len(units) // n:(j + 1) * len(units) // n] if x is not None]
-        for (r, g), run in itertools.groupby(mine, key=lambda x: x[:2]):
-            run = [i for _, _, i in run]
-            want.append((j, r, g, run[0] * TILE_TOKENS, min((run[-1] + 1) * TILE_TOKENS, int(lens[r]))))
-    got = [(p.cta, p.row, p.kv_head, p.t_begin, p.t_end) for p in graph_pieces(lens, h, num_ctas, min_tiles, piece_cost)]
-    assert got == want
+    assert _pieces(CASES[name], 8, num_ctas, min_tiles, piece_cost) == \
+        pieces_unit_by_unit(CASES[name], 8, num_ctas, min_tiles, piece_cost)
+
+
+@settings(max_examples=300, deadline=None)
+@given(lens=st.lists(st.integers(0, 3000), min_size=1, max_size=24), h=st.sampled_from([1, 2, 8]),
+       num_ctas=st.sampled_from([1, 3, 7, 64, 264]), min_tiles=st.integers(1, 8), piece_cost=st.integers(0, 4))
+def test_random_steps_are_the_units_cut_equally(lens, h, num_ctas, min_tiles, piece_cost):
+    assert _pieces(lens, h, num_ctas, min_tiles, piece_cost) == pieces_unit_by_unit(lens, h, num_ctas, min_tiles,
+                                                                                     piece_cost)
 
 
 @pytest.mark.parametrize("lens", [[8192], [1024], [1024] * 32, [40_000] * 3, [16384, 20000, 1 << 17]])
