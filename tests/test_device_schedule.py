@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES, active_ctas, graph_pieces,
-                                      graph_schedule, grid_merge_roles, merge_jobs)
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES, MergeJob, active_ctas,
+                                      graph_pieces, graph_schedule, grid_merge_roles, merge_jobs)
 from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
@@ -171,8 +171,22 @@ def test_pieces_are_the_units_cut_equally(name, num_ctas, min_tiles, piece_cost)
 @given(lens=st.lists(st.integers(0, 3000), min_size=1, max_size=24), h=st.sampled_from([1, 2, 8]),
        num_ctas=st.sampled_from([1, 3, 7, 64, 264]), min_tiles=st.integers(1, 8), piece_cost=st.integers(0, 4))
 def test_random_steps_are_the_units_cut_equally(lens, h, num_ctas, min_tiles, piece_cost):
-    assert _pieces(lens, h, num_ctas, min_tiles, piece_cost) == pieces_unit_by_unit(lens, h, num_ctas, min_tiles,
-                                                                                     piece_cost)
+    """Random steps: the oracle's pieces and slots are the unit-by-unit cut's, and the merge
+    kernel's jobs (merge = 3: every cut segment) are CTAs j0 + 1 .. j1 of each cut segment, CTA
+    j0 + 1 + k merging slice k of j1 - j0 equal slices, from the segment's slots in merge order."""
+    want = pieces_unit_by_unit(lens, h, num_ctas, min_tiles, piece_cost)
+    assert _pieces(lens, h, num_ctas, min_tiles, piece_cost) == want
+    cols = 32
+    segments = {(r, g): order for _, r, g, _, _, slot, order in want if slot >= 0}
+    want_jobs = []
+    for (r, g), order in segments.items():
+        ctas = sorted({j for j, rr, gg, *_ in want if (rr, gg) == (r, g)})
+        for k, j in enumerate(ctas[1:]):
+            c0, c1 = k * cols // (len(ctas) - 1), (k + 1) * cols // (len(ctas) - 1)
+            if c0 < c1:
+                want_jobs.append(MergeJob(j, r, g, order, c0, c1))
+    got = merge_jobs(lens, h, num_ctas, cols, min_tiles, 0, piece_cost)
+    assert sorted(got, key=lambda m: m.cta) == sorted(want_jobs, key=lambda m: m.cta)
 
 
 @pytest.mark.parametrize("lens", [[8192], [1024], [1024] * 32, [40_000] * 3, [16384, 20000, 1 << 17]])
