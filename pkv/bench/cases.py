@@ -50,17 +50,61 @@ def copies_for(case: Case) -> int:
     return int(min(8, max(2, math.ceil(1.0e9 / case.bytes))))
 
 
-def build_caches(case: Case, seed: int, device: str = "cuda"):
+ALIGN = 256   # bytes between the copies carved from a KvArena
+
+
+def pool_bytes(case: Case) -> int:
+    """Bytes of the 16-bit KV pools of the case's copies (with its holes: every physical page)."""
+    from pkv.core.paging import assign_pages
+
+    pages = assign_pages(np.asarray(case.lens, dtype=np.int64), case.page_size, case.holes, 0).num_pages
+    one = pages * 2 * case.num_kv_heads * case.page_size * case.head_dim * case.shape.itemsize
+    return copies_for(case) * (-(-one // ALIGN) * ALIGN)
+
+
+class KvArena:
+    """One device buffer that every case's KV copies are carved from, allocated once per
+    process as a serving engine allocates its KV pool. Allocating and freeing each case's
+    multi-GB pools (and their FP32 staging) made pkv-graph's later rows of a sweep up to
+    ~13 % slower than the same cases in a fresh process, FlashInfer's not
+    (docs/perf-notes.md, v5.9); with the arena nothing is allocated per case but
+    the queries, block tables and FP8 copies."""
+
+    def __init__(self, nbytes: int, device="cuda"):
+        import torch
+
+        self.buf = torch.empty(max(int(nbytes), ALIGN), dtype=torch.uint8, device=device)
+
+    @classmethod
+    def for_cases(cls, cases, device="cuda") -> "KvArena":
+        return cls(max(pool_bytes(c) for c in cases), device)
+
+    def pools(self, dims: tuple[int, ...], dtype, count: int) -> list:
+        """`count` disjoint [dims] tensors of `dtype` from the start of the buffer (the last
+        case's are overwritten)."""
+        one = math.prod(dims) * dtype.itemsize
+        step = -(-one // ALIGN) * ALIGN
+        if count * step > self.buf.numel():
+            raise ValueError(f"the KV arena holds {self.buf.numel()} bytes, this case needs {count * step} "
+                             "(size it with KvArena.for_cases over every case the run times)")
+        return [self.buf[i * step:i * step + one].view(dtype).view(dims) for i in range(count)]
+
+
+def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | None = None):
     """Independent copies of the case's cache (own K,V bytes and page permutation) and a
-    query batch for each: rotated per call so the working set is far beyond the L2."""
+    query batch for each: rotated per call so the working set is far beyond the L2. With an
+    arena, the copies' 16-bit pools are its memory (filled in place)."""
     from pkv.core.cache import PagedCache
     from pkv.core.paging import assign_pages
 
     shape = case.shape
     copies = copies_for(case)
     lens = np.asarray(case.lens, dtype=np.int64)
-    caches = [PagedCache.random(shape, assign_pages(lens, case.page_size, case.holes, seed + c), device=device, seed=seed + c,
-                                fp8_policy=case.fp8_policy or "tensor")
-              for c in range(copies)]
+    assignments = [assign_pages(lens, case.page_size, case.holes, seed + c) for c in range(copies)]
+    dims = (assignments[0].num_pages, 2, shape.num_kv_heads, shape.page_size, shape.head_dim)
+    pools = arena.pools(dims, shape.torch_dtype, copies) if arena is not None else [None] * copies
+    caches = [PagedCache.random(shape, a, device=device, seed=seed + c, fp8_policy=case.fp8_policy or "tensor",
+                                out=pool)
+              for c, (a, pool) in enumerate(zip(assignments, pools))]
     queries = [c.query(len(lens), seed + 100 + i) for i, c in enumerate(caches)]
     return caches, queries

@@ -5,7 +5,8 @@ Cases: homogeneous batch x context grids, ragged mixes, GQA group x head_dim poi
 with tensor scales and with per-page factors (`kv_dtype`, `fp8_policy`, `point` columns;
 pkv.report.fp8 pairs them).
 For each case and engine: device µs per call by CUDA-graph replay (one graph runs every KV
-copy once; copies rotate so the working set is beyond the L2), the fraction of the read
+copy once; copies rotate so the working set is beyond the L2; every case's 16-bit pools are
+carved from one buffer allocated once per process, `KvArena`), the fraction of the read
 roofline on useful K+V bytes, and the ratio of the faster FlashInfer variant to
 PersistentKV, all in one process. Parquet only; the table and figure come from the report.
 """
@@ -22,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from pkv.bench.cases import Case, build_caches
+from pkv.bench.cases import Case, KvArena, build_caches
 from pkv.core.units import K
 from pkv.engines.table import flashinfer, parse_spec   # the one table of engine names
 
@@ -98,11 +99,12 @@ def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> f
     return graph_us_per_call(calls, reps)
 
 
-def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: int) -> list[dict]:
+def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: int,
+             arena: KvArena | None = None) -> list[dict]:
     """Every engine spec (pkv.engines.table.parse_spec) on `case`; a row per spec, labelled by it."""
     from pkv.core.harness import StepState
 
-    caches, queries = build_caches(case, seed)
+    caches, queries = build_caches(case, seed, arena=arena)
     step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
     rows = []
     for label in engines:
@@ -215,8 +217,9 @@ def run_trace(args, cases, engines, command: str) -> int:
     clock_ghz = args.trace_clock_ghz
     buf = torch.zeros(2 * TRACE_CTAS * TRACE_FIELDS, dtype=torch.int64)
     records, summary = [], []
+    arena = KvArena.for_cases(cases)
     for case in cases:
-        caches, queries = build_caches(case, args.seed)
+        caches, queries = build_caches(case, args.seed, arena=arena)
         step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
         for label in engines:
             name, options = parse_spec(label)
@@ -325,9 +328,10 @@ def run(args, command: str) -> int:
     meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
             "command": command}
     rows, t0 = [], time.time()
+    arena = KvArena.for_cases(cases)   # every case's KV pools, allocated once (KvArena says why)
     for case in cases:
         print(f"{case.name}: {case.bytes / 1e6:.1f} MB", flush=True)
-        rows += run_case(case, engines, args.reps, roofline, args.seed)
+        rows += run_case(case, engines, args.reps, roofline, args.seed, arena)
         # Rewritten after every case: a run stopped part way keeps what it measured.
         frame = with_ratios(pd.DataFrame(rows))
         io.write_parquet(frame, args.out, {**meta, "complete": "false"})

@@ -34,13 +34,24 @@ class PagedCache:
 
     @classmethod
     def random(cls, shape: Shape, assignment: PageAssignment, device: str | torch.device = "cpu", seed: int = 0,
-               fp8_policy: str = "tensor") -> "PagedCache":
-        """Standard-normal K and V in `shape.dtype`; an FP8 shape quantizes them with `fp8_policy`."""
+               fp8_policy: str = "tensor", out: torch.Tensor | None = None) -> "PagedCache":
+        """Standard-normal K and V in `shape.dtype`; an FP8 shape quantizes them with `fp8_policy`.
+
+        `out` (a [num_pages, 2, H_kv, P, D] tensor of the 16-bit dtype, e.g. a view of a
+        benchmark's KV pool) is filled in place instead of allocating, generated in that dtype
+        (no FP32 copy of the pool): the same distribution, other values than without it."""
         if assignment.page_size != shape.page_size:
             raise ValueError(f"assignment page size {assignment.page_size} != shape page size {shape.page_size}")
-        gen = torch.Generator(device=device).manual_seed(seed)
         dims = (assignment.num_pages, 2, shape.num_kv_heads, shape.page_size, shape.head_dim)
-        kv = torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(shape.torch_dtype)
+        if out is not None:
+            if tuple(out.shape) != dims or out.dtype != shape.torch_dtype:
+                raise ValueError(f"out must be {list(dims)} {shape.torch_dtype}, got {list(out.shape)} {out.dtype}")
+            device = out.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        if out is not None:
+            kv = out.normal_(generator=gen)
+        else:
+            kv = torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(shape.torch_dtype)
         table = assignment.block_table()
         cache = cls(replace(shape, kv_dtype="auto"), assignment, kv, torch.as_tensor(table, device=device), table)
         return cache.quantized(fp8_policy) if shape.fp8 else cache
