@@ -132,7 +132,8 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(seq_lens.numel() == rows && req_ids.numel() == rows, "pkv.graph_decode: seq_lens/req_ids need B entries");
   TORCH_CHECK(q.size(1) % H == 0 && q.size(2) == D, "pkv.graph_decode: q heads/head_dim do not match kv");
   const int64_t G = q.size(1) / H;
-  TORCH_CHECK(counters.numel() >= rows * H, "pkv.graph_decode: counters need B * Hkv entries");
+  TORCH_CHECK(counters.numel() >= rows * H * pkv::kMaxCounterStride, "pkv.graph_decode: counters need B * Hkv * ",
+              pkv::kMaxCounterStride, " entries");
   TORCH_CHECK(partial.numel() >= pkv::acc_offset(2 * num_ctas, G) + 2 * num_ctas * G * D,
               "pkv.graph_decode: partial workspace too small for num_ctas");
   const int64_t P = k.size(2);

@@ -59,6 +59,17 @@ __device__ __forceinline__ void spin_pause() {
   __nanosleep(PKV_SPIN_NS);
 #endif
 }
+// Ints between two segments' merge counters: 1 (a row's counters share a line), or by the
+// build knob PKV_COUNTER_STRIDE (PKV_NVCC_FLAGS) up to kMaxCounterStride (one 128-byte line
+// each at 32), to measure whether merge = 4's spinning mergers and the count-ins of other
+// segments on the same line slow each other (docs/perf-notes.md, v5.8). The counters are
+// allocated for the largest stride whatever the build.
+#ifdef PKV_COUNTER_STRIDE
+constexpr int kCounterStride = PKV_COUNTER_STRIDE;
+#else
+constexpr int kCounterStride = 1;
+#endif
+static_assert(kCounterStride >= 1 && kCounterStride <= kMaxCounterStride, "PKV_COUNTER_STRIDE is 1..32");
 // A late CTA's count-in (merge = 4): above any number of tickets and second count-ins (the
 // grid is checked below it at launch), so a ticket is the counter's low bits.
 constexpr int kLate = 1 << 16;
@@ -467,7 +478,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = G * D / 4;
         const int all_in = e + (S - e) * kLate;  // the counter once every CTA has counted in
         __syncthreads();
-        int* counter = p.counters + r * H + h;
+        int* counter = p.counters + static_cast<int64_t>(r * H + h) * kCounterStride;
         if (tid == 0) {
           const int t = atomic_add_acq_rel(counter, late ? kLate : 1) & (kLate - 1);
           const int k = late ? -1 : t - (e - K);

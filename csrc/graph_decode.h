@@ -33,6 +33,7 @@ namespace pkv {
 
 constexpr int kGraphMaxRows = 1024;  // rows one step may hold (lengths are scanned in shared memory)
 constexpr int kMaxPieceCost = 64;    // GraphDecodeParams::piece_cost's bound
+constexpr int kMaxCounterStride = 32;  // ints between two segments' counters at most (PKV_COUNTER_STRIDE)
 
 struct GraphDecodeParams {
   const void* q;            // [num_rows, Hq, D]
@@ -49,7 +50,8 @@ struct GraphDecodeParams {
   const int* seq_lens;      // [num_rows]; 0 = padding row
   const int* req_ids;       // [num_rows] batch row -> block-table row
   float* partial;           // 2 states per CTA: m [S*G] | l [S*G] | acc [S*G*D], S = 2 * gridDim
-  int* counters;            // [num_rows * Hkv], zero between launches (the merging CTA rearms it)
+  int* counters;            // [num_rows * Hkv * kMaxCounterStride], zero between launches (the merging
+                            // CTA rearms it); segment (r, h)'s at (r * Hkv + h) * the build's stride
   int num_rows;             // <= kGraphMaxRows
   int num_kv_heads;
   int group;                // 1..kMaxGroup (<= 8 at head_dim 256)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pkv.plan.device_schedule import CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_PIECE_COST, MERGE_SLICES, PIECE_COST
+from pkv.plan.device_schedule import (COUNTER_STRIDE, CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_PIECE_COST, MERGE_SLICES,
+                                      PIECE_COST)
 from pkv.engines import graph, persistent
 from pkv.plan.schedule import TILE_TOKENS
 
@@ -32,6 +33,7 @@ def constexpr(name: str) -> int:
     ("kCtaMergeStates", CTA_MERGE_STATES),
     ("kMergeSlices", MERGE_SLICES),
     ("kMaxPieceCost", MAX_PIECE_COST),
+    ("kMaxCounterStride", COUNTER_STRIDE),
     ("kMaxGroup", graph.MAX_GROUP),
     ("kMaxClusterSplits", persistent.MAX_CLUSTER_SPLITS),
     ("kMaxSegSlots", persistent.MAX_SPLITS),

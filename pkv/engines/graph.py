@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_PIECE_COST, MERGE_SLICES,
-                                      PIECE_COST, graph_schedule)
+from pkv.plan.device_schedule import (COUNTER_STRIDE, CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES,
+                                      MAX_PIECE_COST, MERGE_SLICES, PIECE_COST, graph_schedule)
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -114,7 +114,7 @@ class GraphEngine(Engine):
         dev = cache.device
         slots = 2 * self.num_ctas
         self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(self.max_rows * s.num_kv_heads, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(self.max_rows * s.num_kv_heads * COUNTER_STRIDE, dtype=torch.int32, device=dev)
         # [lengths | request ids] of one step, at a fixed address (a captured graph reads it),
         # filled through pinned buffers reused across steps; padding rows are zeros.
         self.meta = torch.zeros(2 * self.max_rows, dtype=torch.int32, device=dev)
