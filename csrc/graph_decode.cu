@@ -51,25 +51,14 @@ constexpr int kMergeSlices = PKV_MERGE_SLICES;
 #else
 constexpr int kMergeSlices = 16;
 #endif
-// The merger's spin: a tight loop of acquire loads on the counter, unless the build knob
-// PKV_SPIN_NS (PKV_NVCC_FLAGS) asks for a back-off, to measure whether the polling slows the
-// segment's other CTAs' count-ins on the same line (docs/perf-notes.md, v5.8).
-__device__ __forceinline__ void spin_pause() {
-#ifdef PKV_SPIN_NS
-  __nanosleep(PKV_SPIN_NS);
-#endif
+// Two diagnosis options of merge = 4 (docs/perf-notes.md, v5.8: its long-cut rows were
+// 0.5-0.7 us slower than the merge kernel's; the guess is the counter's line): spin_ns > 0
+// backs the mergers' spin off by that many ns a poll (__nanosleep), and counter_stride puts
+// segment (r, h)'s counter at (r * Hkv + h) * counter_stride ints (1: a row's counters share a
+// line; 32: a line each). The counters are allocated for kMaxCounterStride.
+__device__ __forceinline__ void spin_pause(int spin_ns) {
+  if (spin_ns > 0) __nanosleep(static_cast<unsigned>(spin_ns));
 }
-// Ints between two segments' merge counters: 1 (a row's counters share a line), or by the
-// build knob PKV_COUNTER_STRIDE (PKV_NVCC_FLAGS) up to kMaxCounterStride (one 128-byte line
-// each at 32), to measure whether merge = 4's spinning mergers and the count-ins of other
-// segments on the same line slow each other (docs/perf-notes.md, v5.8). The counters are
-// allocated for the largest stride whatever the build.
-#ifdef PKV_COUNTER_STRIDE
-constexpr int kCounterStride = PKV_COUNTER_STRIDE;
-#else
-constexpr int kCounterStride = 1;
-#endif
-static_assert(kCounterStride >= 1 && kCounterStride <= kMaxCounterStride, "PKV_COUNTER_STRIDE is 1..32");
 // A late CTA's count-in (merge = 4): above any number of tickets and second count-ins (the
 // grid is checked below it at launch), so a ticket is the counter's low bits.
 constexpr int kLate = 1 << 16;
@@ -478,12 +467,12 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
         const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = G * D / 4;
         const int all_in = e + (S - e) * kLate;  // the counter once every CTA has counted in
         __syncthreads();
-        int* counter = p.counters + static_cast<int64_t>(r * H + h) * kCounterStride;
+        int* counter = p.counters + static_cast<int64_t>(r * H + h) * p.counter_stride;
         if (tid == 0) {
           const int t = atomic_add_acq_rel(counter, late ? kLate : 1) & (kLate - 1);
           const int k = late ? -1 : t - (e - K);
           if (spread && k >= 0)
-            while (ld_acquire(counter) < all_in) spin_pause();
+            while (ld_acquire(counter) < all_in) spin_pause(p.spin_ns);
           s_last = k;
         }
         __syncthreads();
@@ -656,7 +645,8 @@ cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv
                                 cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
       p.num_ctas >= kLate - kMergeSlices || p.min_tiles < 1 || p.merge < 0 || p.merge > 4 ||
-      p.piece_cost < 0 || p.piece_cost > kMaxPieceCost ||
+      p.piece_cost < 0 || p.piece_cost > kMaxPieceCost || p.counter_stride < 1 ||
+      p.counter_stride > kMaxCounterStride || p.spin_ns < 0 || p.spin_ns > kMaxSpinNs ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)

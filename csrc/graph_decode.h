@@ -33,7 +33,8 @@ namespace pkv {
 
 constexpr int kGraphMaxRows = 1024;  // rows one step may hold (lengths are scanned in shared memory)
 constexpr int kMaxPieceCost = 64;    // GraphDecodeParams::piece_cost's bound
-constexpr int kMaxCounterStride = 32;  // ints between two segments' counters at most (PKV_COUNTER_STRIDE)
+constexpr int kMaxCounterStride = 32;  // GraphDecodeParams::counter_stride's bound
+constexpr int kMaxSpinNs = 10000;      // GraphDecodeParams::spin_ns's bound
 
 struct GraphDecodeParams {
   const void* q;            // [num_rows, Hq, D]
@@ -51,7 +52,7 @@ struct GraphDecodeParams {
   const int* req_ids;       // [num_rows] batch row -> block-table row
   float* partial;           // 2 states per CTA: m [S*G] | l [S*G] | acc [S*G*D], S = 2 * gridDim
   int* counters;            // [num_rows * Hkv * kMaxCounterStride], zero between launches (the merging
-                            // CTA rearms it); segment (r, h)'s at (r * Hkv + h) * the build's stride
+                            // CTA rearms it); segment (r, h)'s at (r * Hkv + h) * counter_stride
   int num_rows;             // <= kGraphMaxRows
   int num_kv_heads;
   int group;                // 1..kMaxGroup (<= 8 at head_dim 256)
@@ -60,6 +61,8 @@ struct GraphDecodeParams {
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
   int piece_cost;           // v5.9: set-up units in front of each segment shorter than a CTA's
                             // range (0..kMaxPieceCost; 0: the cut counts tiles only)
+  int counter_stride;       // ints between two segments' merge counters (1..kMaxCounterStride; 1)
+  int spin_ns;              // merge = 4's spin back-off a poll, ns (0..kMaxSpinNs; 0: none)
   int merge;                // 1: short segments by their last CTA, long ones by the PDL merge kernel
                             // (v5.7); 4: long ones by their last CTAs in this grid (v5.8); 0: every
                             // segment by its last CTA (v4); 3: every one by the merge kernel (v5);

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pkv.plan.device_schedule import (COUNTER_STRIDE, CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_PIECE_COST, MERGE_SLICES,
-                                      PIECE_COST)
+from pkv.plan.device_schedule import (COUNTER_STRIDE, CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_PIECE_COST, MAX_SPIN_NS,
+                                      MERGE_SLICES, PIECE_COST)
 from pkv.engines import graph, persistent
 from pkv.plan.schedule import TILE_TOKENS
 
@@ -34,6 +34,7 @@ def constexpr(name: str) -> int:
     ("kMergeSlices", MERGE_SLICES),
     ("kMaxPieceCost", MAX_PIECE_COST),
     ("kMaxCounterStride", COUNTER_STRIDE),
+    ("kMaxSpinNs", MAX_SPIN_NS),
     ("kMaxGroup", graph.MAX_GROUP),
     ("kMaxClusterSplits", persistent.MAX_CLUSTER_SPLITS),
     ("kMaxSegSlots", persistent.MAX_SPLITS),
@@ -72,5 +73,5 @@ def test_decode_op_takes_the_launch_builder_names():
 def test_graph_ops_default_to_the_python_piece_cost():
     """Both pkv-graph ops' schemas default piece_cost to pkv.plan.device_schedule.PIECE_COST."""
     text = SOURCES["binding.cpp"].replace('"\n        "', "")
-    defaults = re.findall(r"int piece_cost=(\d+)\)", text)
+    defaults = re.findall(r"int piece_cost=(\d+)[,)]", text)
     assert defaults and {int(d) for d in defaults} == {PIECE_COST}, defaults

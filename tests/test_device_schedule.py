@@ -240,6 +240,10 @@ def test_cpu_engine_matches_reference(piece_cost):
                                                            piece_cost))
     with pytest.raises(ValueError, match="piece_cost"):
         make_engine("pkv-graph", cache, piece_cost=-1)
+    with pytest.raises(ValueError, match="counter_stride"):
+        make_engine("pkv-graph", cache, counter_stride=33)
+    with pytest.raises(ValueError, match="spin_ns"):
+        make_engine("pkv-graph", cache, spin_ns=-5)
 
 
 def test_padded_step_and_capacity_on_cpu():

@@ -19,7 +19,7 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.plan.device_schedule import (COUNTER_STRIDE, CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES,
-                                      MAX_PIECE_COST, MERGE_SLICES, PIECE_COST, graph_schedule)
+                                      MAX_PIECE_COST, MAX_SPIN_NS, MERGE_SLICES, PIECE_COST, graph_schedule)
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -84,7 +84,7 @@ class GraphEngine(Engine):
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
                  min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 1,
-                 piece_cost: int = PIECE_COST):
+                 piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0):
         super().__init__(cache)
         s = cache.shape
         self.gpu = cache.kv.is_cuda
@@ -104,6 +104,12 @@ class GraphEngine(Engine):
             raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a short segment's piece costs in "
                              f"the cut (v5.9; 0: tiles only), got {piece_cost}")
         self.piece_cost = int(piece_cost)
+        # merge = 4's diagnosis options (csrc/graph_decode.cu, spin_pause): where the segments'
+        # counters sit (ints apart) and the mergers' spin back-off (ns a poll).
+        if not (1 <= counter_stride <= COUNTER_STRIDE and 0 <= spin_ns <= MAX_SPIN_NS):
+            raise ValueError(f"counter_stride is 1..{COUNTER_STRIDE} and spin_ns 0..{MAX_SPIN_NS}, got "
+                             f"{counter_stride} and {spin_ns}")
+        self.counter_stride, self.spin_ns = int(counter_stride), int(spin_ns)
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
             self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms
@@ -147,7 +153,8 @@ class GraphEngine(Engine):
             scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale, "v_scale": sc.v_scale}
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
-                                  merge=self.merge, piece_cost=self.piece_cost)
+                                  merge=self.merge, piece_cost=self.piece_cost, counter_stride=self.counter_stride,
+                                  spin_ns=self.spin_ns)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))

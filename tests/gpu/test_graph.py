@@ -119,6 +119,20 @@ def test_piece_cost(piece_cost, merge, lengths, group, head_dim):
           f"piece_cost {piece_cost} merge {merge} {lengths} G{group} d{head_dim}")
 
 
+@pytest.mark.parametrize("counter_stride,spin_ns", [(32, 0), (1, 200), (7, 50)])
+def test_in_grid_merge_counter_options(counter_stride, spin_ns):
+    """merge = 4 with its diagnosis options (counters apart, spin back-off): long cuts merged in
+    the grid, replayed, every counter rearmed."""
+    seed = seed_of("graph-counters", counter_stride, spin_ns)
+    rng = np.random.default_rng(seed)
+    cache, step, q = make_case([int(rng.integers(16 * K, 40 * K)), 70, int(rng.integers(1, 3 * K))], num_kv_heads=4,
+                               seed=seed)
+    engine = make_engine("pkv-graph", cache, merge=4, counter_stride=counter_stride, spin_ns=spin_ns)
+    for rep in range(2):   # the second launch finds the counters the first rearmed
+        check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"counters {counter_stride} {spin_ns}")
+    assert int(engine.counters.abs().sum()) == 0
+
+
 # The compute-sanitizer grid (docs/perf-notes.md, v5): every pkv-graph path (16-bit d 64/128/256,
 # FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0, 3 and 4, the
 # v5.9 cut's set-up units under merge 1 and 4) on a
