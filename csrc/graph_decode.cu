@@ -395,7 +395,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     const int64_t seg_begin = row_base + static_cast<int64_t>(h) * units, seg_end = seg_begin + units;
     const int64_t piece_end = hi < seg_end ? hi : seg_end;
     // The piece's tiles (v5.9: after the segment's set-up units); set-up units only: no piece.
-    const int tile_lo = static_cast<int>(u - seg_begin) - setup, tile_hi = static_cast<int>(piece_end - seg_begin) - setup;
+    const int tile_lo = static_cast<int>(u - seg_begin) - setup;
+    const int tile_hi = static_cast<int>(piece_end - seg_begin) - setup;
     if (tile_hi <= 0) {
       u = piece_end;
       continue;
@@ -583,8 +584,8 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   PKV_STAMP(rec, 3);
   {
     const int slices = j1 - j0, k = j - j0 - 1, cols = G * D / 4;
-    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, SegmentSlots{j0, first}, k * cols / slices, (k + 1) * cols / slices,
-                                              r * Hq + h * G);
+    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, SegmentSlots{j0, first}, k * cols / slices,
+                                              (k + 1) * cols / slices, r * Hq + h * G);
   }
 #if PKV_TRACE
   if (rec != nullptr && tid == 0) {

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pkv.plan.device_schedule import (COUNTER_STRIDE, CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_PIECE_COST, MAX_SPIN_NS,
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_COUNTER_STRIDE, MAX_PIECE_COST, MAX_SPIN_NS,
                                       MERGE_SLICES, PIECE_COST)
 from pkv.engines import graph, persistent
 from pkv.plan.schedule import TILE_TOKENS
@@ -33,7 +33,7 @@ def constexpr(name: str) -> int:
     ("kCtaMergeStates", CTA_MERGE_STATES),
     ("kMergeSlices", MERGE_SLICES),
     ("kMaxPieceCost", MAX_PIECE_COST),
-    ("kMaxCounterStride", COUNTER_STRIDE),
+    ("kMaxCounterStride", MAX_COUNTER_STRIDE),
     ("kMaxSpinNs", MAX_SPIN_NS),
     ("kMaxGroup", graph.MAX_GROUP),
     ("kMaxClusterSplits", persistent.MAX_CLUSTER_SPLITS),

@@ -23,7 +23,7 @@ import torch
 
 from pkv.core.shape import Shape
 from pkv.engines.graph import CPU_NUM_CTAS, CTAS_PER_SM, check_graph_shape
-from pkv.plan.device_schedule import COUNTER_STRIDE, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, PIECE_COST, graph_schedule
+from pkv.plan.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE, PIECE_COST, graph_schedule
 
 QUERY_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 FP8 = torch.float8_e4m3fn
@@ -55,16 +55,16 @@ def make_workspace(max_rows: int, num_qo_heads: int, num_kv_heads: int, head_dim
         raise ValueError(f"pkv decode holds 1..{GRAPH_MAX_ROWS} rows a step, got {max_rows}")
     device = torch.device(device)
     n = partial_floats(num_ctas(device, head_dim), num_qo_heads // num_kv_heads, head_dim)
-    ws = torch.zeros(n + max_rows * (1 + num_kv_heads * COUNTER_STRIDE), dtype=torch.float32, device=device)
+    ws = torch.zeros(n + max_rows * (1 + num_kv_heads * MAX_COUNTER_STRIDE), dtype=torch.float32, device=device)
     ws[n:n + max_rows].view(torch.int32).copy_(torch.arange(max_rows, dtype=torch.int32, device=device))
     return ws
 
 
 def split_workspace(ws: torch.Tensor, rows: int, num_qo_heads: int, num_kv_heads: int, head_dim: int):
-    """(partial, row ids [rows], counters [rows * Hkv * COUNTER_STRIDE]) views of a workspace; ValueError if it is
-    too small."""
+    """(partial, row ids [rows], counters [rows * Hkv * MAX_COUNTER_STRIDE]) views of a workspace; ValueError
+    if it is too small."""
     n = partial_floats(num_ctas(ws.device, head_dim), num_qo_heads // num_kv_heads, head_dim)
-    per_row = num_kv_heads * COUNTER_STRIDE
+    per_row = num_kv_heads * MAX_COUNTER_STRIDE
     capacity = (ws.numel() - n) // (1 + per_row)
     if rows > capacity:
         raise ValueError(f"the workspace holds {max(capacity, 0)} rows of {num_qo_heads} query / {num_kv_heads} KV "

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (COUNTER_STRIDE, CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES,
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE,
                                       MAX_PIECE_COST, MAX_SPIN_NS, MERGE_SLICES, PIECE_COST, graph_schedule)
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
@@ -106,8 +106,8 @@ class GraphEngine(Engine):
         self.piece_cost = int(piece_cost)
         # merge = 4's diagnosis options (csrc/graph_decode.cu, spin_pause): where the segments'
         # counters sit (ints apart) and the mergers' spin back-off (ns a poll).
-        if not (1 <= counter_stride <= COUNTER_STRIDE and 0 <= spin_ns <= MAX_SPIN_NS):
-            raise ValueError(f"counter_stride is 1..{COUNTER_STRIDE} and spin_ns 0..{MAX_SPIN_NS}, got "
+        if not (1 <= counter_stride <= MAX_COUNTER_STRIDE and 0 <= spin_ns <= MAX_SPIN_NS):
+            raise ValueError(f"counter_stride is 1..{MAX_COUNTER_STRIDE} and spin_ns 0..{MAX_SPIN_NS}, got "
                              f"{counter_stride} and {spin_ns}")
         self.counter_stride, self.spin_ns = int(counter_stride), int(spin_ns)
         if self.gpu:
@@ -120,7 +120,8 @@ class GraphEngine(Engine):
         dev = cache.device
         slots = 2 * self.num_ctas
         self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(self.max_rows * s.num_kv_heads * COUNTER_STRIDE, dtype=torch.int32, device=dev)
+        self.counters = torch.zeros(self.max_rows * s.num_kv_heads * MAX_COUNTER_STRIDE, dtype=torch.int32,
+                                    device=dev)
         # [lengths | request ids] of one step, at a fixed address (a captured graph reads it),
         # filled through pinned buffers reused across steps; padding rows are zeros.
         self.meta = torch.zeros(2 * self.max_rows, dtype=torch.int32, device=dev)

@@ -46,7 +46,7 @@ CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more sta
 MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
 PIECE_COST = 0          # default set-up units in front of a short segment (v5.9; 0: not counted)
 MAX_PIECE_COST = 64     # kMaxPieceCost
-COUNTER_STRIDE = 32     # kMaxCounterStride: merge counters allocated per (row, KV head), in ints
+MAX_COUNTER_STRIDE = 32  # kMaxCounterStride: merge counters allocated per (row, KV head), in ints
 MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
 
 
