@@ -147,8 +147,9 @@ __device__ __forceinline__ int tiles_of(int len) { return (len + kTile - 1) / kT
 // *before and *vtotal (the cut's units); *total = the tiles. The units are the tiles, or, v5.9
 // with piece_cost > 0, the tiles and piece_cost set-up units in front of each segment of a row
 // whose segments are shorter than a CTA's range (0 < tiles and tiles * n < H * total, n =
-// active_ctas of the tiles): the tiles' totals first (a reduction, one barrier), then the
-// scan. Without set-up units, *vtotal = *total.
+// active_ctas of the tiles): the tiles' totals first (a reduction, one barrier; not a first
+// scan_rows, whose second prefix-sum array spilled the d 128 merge kernel at its 56 registers),
+// then the scan. Without set-up units, *vtotal = *total.
 template <int kThreadsT, int kPer>
 __device__ __forceinline__ void scan_units(const GraphDecodeParams& p, const int (&len)[kPer], int (&inc)[kPer],
                                            int* s_warp, int* s_nzw, int* before, int* total, int* vtotal,

@@ -53,13 +53,21 @@ def copies_for(case: Case) -> int:
 ALIGN = 256   # bytes between the copies carved from a KvArena
 
 
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def pool_dims(case: Case, num_pages: int) -> tuple[int, ...]:
+    """One copy's KV pool: [num_pages, 2, Hkv, page, D] (PagedCache's layout)."""
+    return (num_pages, 2, case.num_kv_heads, case.page_size, case.head_dim)
+
+
 def pool_bytes(case: Case) -> int:
     """Bytes of the 16-bit KV pools of the case's copies (with its holes: every physical page)."""
     from pkv.core.paging import assign_pages
 
     pages = assign_pages(np.asarray(case.lens, dtype=np.int64), case.page_size, case.holes, 0).num_pages
-    one = pages * 2 * case.num_kv_heads * case.page_size * case.head_dim * case.shape.itemsize
-    return copies_for(case) * (-(-one // ALIGN) * ALIGN)
+    return copies_for(case) * _aligned(math.prod(pool_dims(case, pages)) * case.shape.itemsize)
 
 
 class KvArena:
@@ -83,7 +91,7 @@ class KvArena:
         """`count` disjoint [dims] tensors of `dtype` from the start of the buffer (the last
         case's are overwritten)."""
         one = math.prod(dims) * dtype.itemsize
-        step = -(-one // ALIGN) * ALIGN
+        step = _aligned(one)
         if count * step > self.buf.numel():
             raise ValueError(f"the KV arena holds {self.buf.numel()} bytes, this case needs {count * step} "
                              "(size it with KvArena.for_cases over every case the run times)")
@@ -101,8 +109,8 @@ def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | N
     copies = copies_for(case)
     lens = np.asarray(case.lens, dtype=np.int64)
     assignments = [assign_pages(lens, case.page_size, case.holes, seed + c) for c in range(copies)]
-    dims = (assignments[0].num_pages, 2, shape.num_kv_heads, shape.page_size, shape.head_dim)
-    pools = arena.pools(dims, shape.torch_dtype, copies) if arena is not None else [None] * copies
+    pools = ([None] * copies if arena is None
+             else arena.pools(pool_dims(case, assignments[0].num_pages), shape.torch_dtype, copies))
     caches = [PagedCache.random(shape, a, device=device, seed=seed + c, fp8_policy=case.fp8_policy or "tensor",
                                 out=pool)
               for c, (a, pool) in enumerate(zip(assignments, pools))]

@@ -43,15 +43,14 @@ class PagedCache:
         if assignment.page_size != shape.page_size:
             raise ValueError(f"assignment page size {assignment.page_size} != shape page size {shape.page_size}")
         dims = (assignment.num_pages, 2, shape.num_kv_heads, shape.page_size, shape.head_dim)
-        if out is not None:
-            if tuple(out.shape) != dims or out.dtype != shape.torch_dtype:
-                raise ValueError(f"out must be {list(dims)} {shape.torch_dtype}, got {list(out.shape)} {out.dtype}")
-            device = out.device
-        gen = torch.Generator(device=device).manual_seed(seed)
-        if out is not None:
-            kv = out.normal_(generator=gen)
-        else:
+        if out is None:
+            gen = torch.Generator(device=device).manual_seed(seed)
             kv = torch.randn(dims, generator=gen, device=device, dtype=torch.float32).to(shape.torch_dtype)
+        elif tuple(out.shape) != dims or out.dtype != shape.torch_dtype:
+            raise ValueError(f"out must be {list(dims)} {shape.torch_dtype}, got {list(out.shape)} {out.dtype}")
+        else:
+            device = out.device
+            kv = out.normal_(generator=torch.Generator(device=device).manual_seed(seed))
         table = assignment.block_table()
         cache = cls(replace(shape, kv_dtype="auto"), assignment, kv, torch.as_tensor(table, device=device), table)
         return cache.quantized(fp8_policy) if shape.fp8 else cache

@@ -69,7 +69,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.plan.device_schedule import PIECE_COST
+from pkv.plan.device_schedule import PIECE_COST, setup_units
 from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, slot_bytes, workqueue_chunk, workqueue_row_splits
 from pkv.core.shape import Shape
 
@@ -332,7 +332,7 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
         n = n // segments * segments
     if n == 1:
         return 1, 0
-    setup = np.where((tiles > 0) & (tiles * n < work), piece_cost, 0)
+    setup = setup_units(tiles, n, work, piece_cost)
     seg_units = tiles + setup
     ends = h * np.cumsum(seg_units)                    # each row's last unit + 1
     units = int(ends[-1])

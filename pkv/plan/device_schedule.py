@@ -145,6 +145,13 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
     return Schedule("workqueue", num_kv_heads, (launch,))
 
 
+def setup_units(tiles: np.ndarray, n: int, work: int, piece_cost: int) -> np.ndarray:
+    """Set-up units in front of each of a row's segments (v5.9): piece_cost where the row's
+    segments are shorter than a CTA's range (0 < tiles and tiles * n < work, the step's H *
+    sum(tiles) over n active CTAs), else 0."""
+    return np.where((tiles > 0) & (tiles * n < work), piece_cost, 0).astype(np.int64)
+
+
 @dataclass(frozen=True)
 class Cut:
     """One step's cut as every CTA computes it: rows' tiles and set-up units, their inclusive
@@ -163,8 +170,7 @@ class Cut:
         lens = np.asarray(seq_lens, dtype=np.int64)
         tiles = num_tiles(lens)
         n = active_ctas(lens, h, num_ctas, min_tiles)
-        work = int(tiles.sum()) * h
-        setup = np.where((tiles > 0) & (tiles * n < work), piece_cost, 0).astype(np.int64)
+        setup = setup_units(tiles, n, int(tiles.sum()) * h, piece_cost)
         inc = np.cumsum(tiles + setup)
         return cls(tiles, setup, inc, h, int(inc[-1]) * h if len(lens) else 0, n)
 
