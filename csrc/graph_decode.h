@@ -7,14 +7,14 @@
 // range also holds set-up units in front of its tiles, so that ranges are equal in tiles plus
 // the pieces' set-ups). A piece that is a whole segment writes its
 // output; a segment cut across CTAs leaves FP32 partial states, merged
-//  - merge = 1 (v5.7, the default): by the segment's last CTA to finish (atomic counter)
+//  - merge = 1 (v5.7): by the segment's last CTA to finish (atomic counter)
 //    when it has at most kCtaMergeStates states, else by a merge kernel launched as a
 //    programmatic dependent (PDL) of the decode. The merge kernel decides the same split
 //    from the same lengths while the decode runs; its CTAs with a job wait for the decode
 //    grid (griddepcontrol.wait) and merge one slice of a segment's columns each, the others
 //    exit at once (CTA 0 after waiting too: the merge grid completes after the decode, so
 //    whatever the stream runs next, PDL or not, reads a finished `out`);
-//  - merge = 4 (v5.8): inside the decode grid, no second kernel. Short segments as under 1;
+//  - merge = 4 (v5.8, the default): inside the decode grid, no second kernel. Short segments as under 1;
 //    a longer one by the last kMergeSlices of its CTAs to count in, one slice of its columns
 //    each, the earlier of them spinning on the segment's counter until every CTA has counted
 //    in (only in the last piece of a CTA's range: v5.8.1);

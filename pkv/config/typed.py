@@ -116,8 +116,7 @@ class Policy:
     min_context: int
     min_tiles_per_split: int
     margins: tuple[Margin, ...]
-    # Optional, absent in the committed reference run's config (its hash stays): the
-    # overlapped objective's margins; absent, it promotes by `margins`.
+    # Optional: the overlapped objective's margins; absent, it promotes by `margins`.
     overlapped_margins: Optional[tuple[Margin, ...]] = None
 
 

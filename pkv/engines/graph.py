@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE,
-                                      MAX_PIECE_COST, MAX_SPIN_NS, MERGE_SLICES, PIECE_COST, graph_schedule)
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MERGE, GRAPH_MIN_TILES,
+                                      MAX_COUNTER_STRIDE, MAX_PIECE_COST, MAX_SPIN_NS, MERGE_SLICES, PIECE_COST,
+                                      graph_schedule)
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -71,11 +72,11 @@ class GraphPlan(Plan):
 
 
 # pkv-graph's `merge` option (csrc/graph_decode.h): who merges a segment cut across CTAs.
-MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7, default)",
+MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7)",
                0: "its last CTA always (v4)", 3: "the PDL merge kernel always (v5)",
                2: "the merge kernel launched as the decode exits (ablation)",
                4: f"its last CTA up to {CTA_MERGE_STATES} states, else its last {MERGE_SLICES} CTAs, "
-                  "no merge kernel (v5.8)"}
+                  "no merge kernel (v5.8, default)"}
 MERGE_KERNEL_MODES = (1, 2, 3)   # the modes that launch the merge kernel
 
 
@@ -83,7 +84,7 @@ class GraphEngine(Engine):
     name = "pkv-graph"
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
-                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = 1,
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = GRAPH_MERGE,
                  piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0):
         super().__init__(cache)
         s = cache.shape

@@ -20,9 +20,9 @@ before, unit for unit (`Cut`).
 v5 merges cut segments in a second kernel (a programmatic dependent of the decode) that
 repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
 j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
-segment's float4 columns (`merge_jobs`). v5.7 (merge = 1, the default) leaves a segment of
-at most CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
-v5.8 (merge = 4, an option until v5.8.1 is measured) launches no merge kernel: a longer
+segment's float4 columns (`merge_jobs`). v5.7 (merge = 1) leaves a segment of at most
+CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
+v5.8 (merge = 4, the default since v5.8.1 was measured) launches no merge kernel: a longer
 segment is merged by the last MERGE_SLICES of its CTAs to finish, one equal slice of its
 columns each (the earlier ones wait on the segment's counter for the rest; `grid_merge_roles`).
 
@@ -41,7 +41,8 @@ import numpy as np
 from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
-GRAPH_MIN_TILES = 4     # default smallest CTA range, in tiles (docs/perf-notes.md, v5; 8 in v4; v5.8 measured 2)
+GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (docs/perf-notes.md, v5.9 A/B; 4 in v5, 8 in v4)
+GRAPH_MERGE = 4         # default merge mode (pkv.engines.graph.MERGE_MODES; docs/perf-notes.md, v5.9 A/B)
 CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
 MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
 PIECE_COST = 0          # default set-up units in front of a short segment (v5.9; 0: not counted)

@@ -94,7 +94,8 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
         f"CUDA {meta.get('cuda', '?')}, torch {meta.get('torch', '?')}, FlashInfer {meta.get('flashinfer', '?')}, "
         f"commit {meta.get('git_commit', '?')}  ",
         f"Read roofline {float(meta.get('roofline_gbps', 'nan')):.0f} GB/s. µs = median device time per call by "
-        "CUDA-graph replay, KV copies rotated beyond the L2; % roofline = useful K+V bytes / time / roofline; "
+        "CUDA-graph replay, KV copies rotated beyond the L2 (16-bit pools carved from one buffer allocated once, as a "
+        "serving engine allocates its pool); % roofline = useful K+V bytes / time / roofline; "
         "ratio = faster FlashInfer variant ÷ pkv-graph (> 1: PersistentKV faster). Shape unless named: "
         "Hq 32, Hkv 8, d 128, fp16, page 16, 50 % holes.",
         "",
