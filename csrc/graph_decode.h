@@ -14,8 +14,8 @@
 //    grid (griddepcontrol.wait) and merge one slice of a segment's columns each, the others
 //    exit at once (CTA 0 after waiting too: the merge grid completes after the decode, so
 //    whatever the stream runs next, PDL or not, reads a finished `out`);
-//  - merge = 4 (v5.8, the default): inside the decode grid, no second kernel. Short segments as under 1;
-//    a longer one by the last kMergeSlices of its CTAs to count in, one slice of its columns
+//  - merge = 4 (v5.8, the default): inside the decode grid, no second kernel. Short
+//    segments as under 1; a longer one by the last kMergeSlices of its CTAs to count in, one slice of its columns
 //    each, the earlier of them spinning on the segment's counter until every CTA has counted
 //    in (only in the last piece of a CTA's range: v5.8.1);
 //  - merge = 0 (v4): every cut segment by its last CTA, no merge kernel;

@@ -113,7 +113,7 @@ def test_few_segments_never_straddle():
     pieces = graph_pieces([8192], 8, 264, 8)
     assert active_ctas([8192], 8, 264, 8) == 256
     assert len({p.cta for p in pieces}) == len(pieces) == 256
-    # the default (min_tiles 4): 264 CTAs, 33 per segment; B1 1K: 64 CTAs of 4 tiles (128 at 2)
+    # the default (min_tiles 2) and 4: 264 CTAs, 33 per segment; B1 1K: 64 CTAs of 4 tiles, 128 at 2
     assert active_ctas([8192], 8, 264) == 264 == len(graph_pieces([8192], 8, 264))
     assert active_ctas([1024], 8, 264, 4) == 64
     assert active_ctas([1024], 8, 264, 2) == 128
