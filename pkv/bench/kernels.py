@@ -325,8 +325,9 @@ def run(args, command: str) -> int:
     probes = read_roofline()
     roofline = probes["roofline"]
     print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
+    # kv_pools tells the report how the KV copies were allocated (runs before the arena had none).
     meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
-            "command": command}
+            "command": command, "kv_pools": "arena"}
     rows, t0 = [], time.time()
     arena = KvArena.for_cases(cases)   # every case's KV pools, allocated once (KvArena says why)
     for case in cases:

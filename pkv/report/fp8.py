@@ -16,6 +16,7 @@ import pandas as pd
 
 from pkv.core import io
 from pkv.engines.table import baselines
+from pkv.report.kernels import pools_note
 from pkv.report.ratios import mean_sd, num, throughputs
 
 ENGINE = "pkv-graph"
@@ -76,8 +77,8 @@ def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
         "",
         _provenance(meta),
         f"Read roofline {float(meta.get('roofline_gbps', 'nan')):.0f} GB/s. µs = median device time per call by "
-        "CUDA-graph replay, KV copies rotated beyond the L2 (16-bit pools carved from one buffer allocated once). "
-        "Each point runs the same lengths from a 16-bit cache "
+        f"CUDA-graph replay, KV copies rotated beyond the L2{pools_note(meta)}. Each point runs the same lengths "
+        "from a 16-bit cache "
         "and from e4m3 caches with tensor scales (FlashInfer's convention; FlashInfer reads only these) and with "
         "per-(page, kv head) factors. FlashInfer columns are its faster decode variant (CUDA cores or tensor "
         "cores). % roofline = FP8 K+V bytes / time / roofline for pkv-graph fp8-tensor; ratios are "

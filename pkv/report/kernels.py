@@ -23,6 +23,13 @@ from pkv.core import io
 ENGINE = "pkv-graph"
 
 
+def pools_note(meta: dict) -> str:
+    """How the run allocated its KV copies, as its metadata says (`pkv bench kernels`)."""
+    if meta.get("kv_pools") == "arena":
+        return " (16-bit pools carved from one buffer allocated once, as a serving engine allocates its pool)"
+    return ""
+
+
 def load(path: str | Path) -> tuple[pd.DataFrame, dict]:
     return io.read_parquet_checked(path, {"case", "engine", "graph_us", "bytes", "family", "batch", "max_len"},
                                    "kernel benchmark", " (run `pkv bench kernels` on a GPU)")
@@ -94,8 +101,8 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
         f"CUDA {meta.get('cuda', '?')}, torch {meta.get('torch', '?')}, FlashInfer {meta.get('flashinfer', '?')}, "
         f"commit {meta.get('git_commit', '?')}  ",
         f"Read roofline {float(meta.get('roofline_gbps', 'nan')):.0f} GB/s. µs = median device time per call by "
-        "CUDA-graph replay, KV copies rotated beyond the L2 (16-bit pools carved from one buffer allocated once, as a "
-        "serving engine allocates its pool); % roofline = useful K+V bytes / time / roofline; "
+        f"CUDA-graph replay, KV copies rotated beyond the L2{pools_note(meta)}; % roofline = useful K+V bytes / "
+        "time / roofline; "
         "ratio = faster FlashInfer variant ÷ pkv-graph (> 1: PersistentKV faster). Shape unless named: "
         "Hq 32, Hkv 8, d 128, fp16, page 16, 50 % holes.",
         "",
