@@ -107,7 +107,8 @@ def test_estimates_use_the_route_fit_under_both_objectives():
 
 def test_replayed_route_fit_reorders_homogeneous_b1():
     """The reference run's homogeneous B1 step (one row of ~32.8K tokens): the shared roofline
-    (CUDA-event fit) costs the workqueue ~40 % above FlashInfer-TC on the device, while its
+    (CUDA-event fit) costs the workqueue above FlashInfer-TC on the device (~40 % at 5929998, ~20 %
+    at 5bb60ee), while its
     route fit, made on the calibration seed's replayed rows, orders it first, within 5 % of
     what graph replay measured on every held-out seed."""
     k = Constants.load(COMMITTED).at("homogeneous-b1")
@@ -116,7 +117,7 @@ def test_replayed_route_fit_reorders_homogeneous_b1():
     before = Router(SHAPE, dataclasses.replace(k, route_fit={}), list(k.baseline_ctas_per_head), policies, cache=False,
                     objective="overlapped")
     est = before.decide(np.arange(1), lens).estimates
-    assert est["workqueue"] > 1.3 * est["flashinfer-tc"]
+    assert est["workqueue"] > 1.1 * est["flashinfer-tc"]
     after = Router(SHAPE, k, list(k.baseline_ctas_per_head), policies, cache=False, objective="overlapped")
     est = after.decide(np.arange(1), lens).estimates
     assert est["workqueue"] < min(est["flashinfer-tc"], est["flashinfer"])
