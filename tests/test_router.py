@@ -135,7 +135,7 @@ def test_refit_routes_bimodal_b4_to_the_workqueue(refit_constants):
     cfg = load_config(ROOT / "results" / "config.json")
     shape = shape_of(cfg)
     k = dataclasses.replace(refit_constants, route_fit={})
-    # Inside the fit's grid, not at its edge (C_min 0.9 and lambda 14.5 us at 5bb60ee, 1.35 at 5929998).
+    # C_min inside the fit's grid, not at its edge (5bb60ee: C_min 0.9, lambda 14.5 us; 5929998: C_min 1.35).
     assert FIT_C_MIN[0] <= k.c_min < FIT_C_MIN[-1] and 10e-6 <= k.launch_s <= 25e-6
     point = "bimodal-b4"
     router, _ = _router(k.at(point), point, shape=shape)

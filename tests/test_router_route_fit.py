@@ -107,10 +107,9 @@ def test_estimates_use_the_route_fit_under_both_objectives():
 
 def test_replayed_route_fit_reorders_homogeneous_b1():
     """The reference run's homogeneous B1 step (one row of ~32.8K tokens): the shared roofline
-    (CUDA-event fit) costs the workqueue above FlashInfer-TC on the device (~40 % at 5929998, ~20 %
-    at 5bb60ee), while its
-    route fit, made on the calibration seed's replayed rows, orders it first, within 5 % of
-    what graph replay measured on every held-out seed."""
+    (CUDA-event fit) costs the workqueue above FlashInfer-TC on the device (~40 % at 5929998,
+    ~20 % at 5bb60ee), while its route fit, made on the calibration seed's replayed rows, orders
+    it first, within 5 % of what graph replay measured on every held-out seed."""
     k = Constants.load(COMMITTED).at("homogeneous-b1")
     lens = np.array([32785], dtype=np.int32)
     policies = {kind: SplitPolicy(k.split("homogeneous-b1", kind), k.min_tiles_per_split) for kind in ("bucket", "workqueue")}
