@@ -341,12 +341,23 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
     t = seg_units[rows]
     offset = bounds - (ends[rows] - h * t)                 # units into that row
     inside = offset % t > setup[rows]                      # strictly inside a segment's tiles: a cut
+    ctas = n - _setup_only(bounds, units, ends, seg_units, setup, h) if piece_cost else n
     cuts = int(np.count_nonzero(inside))
     if not cuts:
-        return n, 0
+        return ctas, 0
     seg = rows[inside] * h + offset[inside] // t[inside]     # non-decreasing: bounds are sorted
     cut_segments = int(np.count_nonzero(seg[1:] != seg[:-1])) + 1
-    return n, cuts + cut_segments                          # a segment cut k times has k + 1 pieces
+    return ctas, cuts + cut_segments                       # a segment cut k times has k + 1 pieces
+
+
+def _setup_only(bounds, units: int, ends, seg_units, setup, h: int) -> int:
+    """CTAs whose whole range lies in one segment's set-up units: no piece, no work."""
+    lo = np.concatenate(([0], bounds))
+    hi = np.concatenate((bounds, [units]))
+    rows = np.searchsorted(ends, lo, side="right")
+    t = seg_units[rows]
+    first = (lo - (ends[rows] - h * t)) % t                # the range's first unit, into its segment
+    return int(np.count_nonzero(first + (hi - lo) <= setup[rows]))
 
 
 def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost: int = PIECE_COST) -> RouteCost:
@@ -378,12 +389,20 @@ def choose(baselines: list[RouteCost], candidates: list[RouteCost], active: int,
     if not baselines:
         raise ValueError("choose() needs at least one baseline route")
     est = {c.route: estimate(c, k, objective) for c in (*baselines, *candidates)}
-    base = min(baselines, key=lambda c: (est[c.route], c.route)).route
+    route = promote(est, [c.route for c in baselines], [c.route for c in candidates], k.margin(active, objective))
+    return Decision(route, est[route], est)
+
+
+def promote(est: dict, baselines: list[str], candidates: list[str], margin: float) -> str:
+    """The promotion rule on estimates: the cheapest candidate where the cheapest baseline
+    costs at least `margin` times as much, else that baseline (ties by name). One definition
+    for the router and for the calibration's margin fit (pkv.measure.overlapped_margin)."""
+    base = min(baselines, key=lambda r: (est[r], r))
     if candidates:
-        best = min(candidates, key=lambda c: (est[c.route], c.route)).route
-        if est[base] >= k.margin(active, objective) * est[best]:
-            return Decision(best, est[best], est)
-    return Decision(base, est[base], est)
+        best = min(candidates, key=lambda r: (est[r], r))
+        if est[base] >= margin * est[best]:
+            return best
+    return base
 
 
 class Router:
