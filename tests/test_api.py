@@ -259,8 +259,8 @@ def test_serving_step_per_bucket():
                                  layout="vllm", device="cpu") for b in (2, 4, 8)}
     uploads = []
     for w in wrappers.values():
-        real = w._staging.upload
-        w._staging.upload = lambda parts, out=None, real=real: uploads.append(1) or real(parts, out=out)
+        real = w._staging.send      # every host-to-device copy of the staging ring goes through send()
+        w._staging.send = lambda total, out=None, real=real: uploads.append(1) or real(total, out=out)
     rng = np.random.default_rng(11)
     for t in range(8):
         b = [1, 2, 3, 8, 5, 4, 7, 2][t]

@@ -29,24 +29,37 @@ class PinnedStaging:
         self.next = 0
 
     def _alloc(self, n: int) -> torch.Tensor:
-        return torch.empty(n, dtype=torch.int32, pin_memory=self.cuda)
+        return torch.zeros(n, dtype=torch.int32, pin_memory=self.cuda)
 
     def upload(self, parts: list[np.ndarray], out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate `parts` (int32-convertible) and issue one async copy to the device,
         into a new tensor or into out[:total] (returned)."""
         total = sum(len(p) for p in parts)
+        view = self.fill(total)
+        pos = 0
+        for p in parts:
+            view[pos:pos + len(p)] = p
+            pos += len(p)
+        return self.send(total, out)
+
+    def fill(self, total: int) -> np.ndarray:
+        """The next pinned buffer, at least `total` ints, to be written in place and then
+        sent (send): it waits for the copy that last read it. What an earlier fill wrote there
+        stays, so a caller that rewrites only what changed must know which buffer it has:
+        every buffer of the ring holds some earlier step's content (or zeros)."""
         i = self.next
-        self.next = (i + 1) % len(self.bufs)
         if self.events[i] is not None:
             self.events[i].synchronize()   # the previous copy out of this buffer is done
         if len(self.views[i]) < total:
             self.bufs[i] = self._alloc(max(total, 2 * len(self.views[i])))
             self.views[i] = self.bufs[i].numpy()
-        view = self.views[i]
-        pos = 0
-        for p in parts:
-            view[pos:pos + len(p)] = p
-            pos += len(p)
+        return self.views[i]
+
+    def send(self, total: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Issue the async copy of the first `total` ints of the buffer fill() gave, into a new
+        device tensor or into out[:total] (returned); the next fill() takes the next buffer."""
+        i = self.next
+        self.next = (i + 1) % len(self.bufs)
         src = self.bufs[i][:max(total, 1)]
         if out is not None:
             out = out[:total].copy_(src[:total], non_blocking=True)
