@@ -159,8 +159,9 @@ def test_calibration_copies_the_overlapped_margins_from_the_config(monkeypatch):
     cfg = effective(yaml.safe_load((root / "config.yaml").read_text()), "smoke")
     monkeypatch.setattr(calibrate, "sweep", lambda cfg, provisional: pd.DataFrame())
     monkeypatch.setattr(calibrate, "fit_constants", lambda constants, frame, *a: constants)
-    cfg["policy"].pop("overlapped_margins", None)   # absent: the constants have none either
+    cfg["policy"].pop("overlapped_margins", None)   # absent (and nothing to fit on): the constants have none either
     assert "overlapped_margins" not in calibrate.calibrate(cfg)[0]
+    cfg["policy"].pop("fit_overlapped_margin")      # given instead of fitted (tests/test_overlapped_margin.py)
     cfg["policy"]["overlapped_margins"] = [{"max_active": 3, "margin": 1.0}, {"max_active": 1024, "margin": 1.05}]
     validate_config(cfg, load_schema(), "test")
     assert Config.of(cfg).policy.overlapped_margins[0].margin == 1.0

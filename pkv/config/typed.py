@@ -118,6 +118,12 @@ class Policy:
     margins: tuple[Margin, ...]
     # Optional: the overlapped objective's margins; absent, it promotes by `margins`.
     overlapped_margins: Optional[tuple[Margin, ...]] = None
+    # Optional: true, the calibration fits that margin instead (pkv.measure.overlapped_margin).
+    fit_overlapped_margin: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        if self.fit_overlapped_margin and self.overlapped_margins is not None:
+            raise ConfigError("give overlapped_margins or fit_overlapped_margin: true, not both")
 
 
 @dataclass(frozen=True)
@@ -321,7 +327,10 @@ def _build(kind, value, source: str, where: str):
                 out[f.name] = _build(hints[f.name], value[f.name], source, _at(where, f.name))
             elif f.default is dataclasses.MISSING:
                 raise ConfigError(f"{source}: {_at(where, f.name)}: missing key")
-        return kind(**out)
+        try:
+            return kind(**out)
+        except ConfigError as e:   # a section's own check across its keys (__post_init__)
+            raise ConfigError(f"{source}: {where or '(top level)'}: {e}") from None
     if origin is tuple:
         if not isinstance(value, list | tuple):
             raise ConfigError(f"{source}: {where}: expected a list, got {type(value).__name__}")

@@ -26,6 +26,10 @@ run), so that they too are graph-replayed: their device fits (`fit_route`, the r
 terms with each route's own coefficients, `constants["route_fit"]`) and their H_r are made on
 replay, not on CUDA events, whose span holds the host's submission of the launches. The
 split choice and C_min / lambda stay the split grid's (split-0 rows are not in them).
+
+With `policy.fit_overlapped_margin`, the overlapped objective's margin is fitted last, by
+replaying the router over the split-0 run's steps (pkv.measure.overlapped_margin); else
+the config's `overlapped_margins`, if any, are copied like the serial margins.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ import torch
 from pkv.engines.table import pkv_engines, pkv_routes
 from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
 from pkv.measure.loop import Job, measure
+from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin
+from pkv.measure.sweep_rows import device_s, grid_rows, measured_s, replayed
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
 from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
@@ -139,39 +145,15 @@ def _best_split(rows: pd.DataFrame) -> int:
     return int(max(sorted(rows["split"].unique()), key=lambda s: _throughput(rows[rows["split"] == s])))
 
 
-def _grid(frame: pd.DataFrame) -> pd.DataFrame:
-    """The split grid's rows: split 0 (the engine's own, the replayed run) is not a split of it."""
-    return frame[frame["split"] != 0] if "split" in frame else frame
-
-
 def operating_points(frame: pd.DataFrame) -> dict:
     """(family, batch) -> {kind: split with the best wall throughput over the split grid;
     ties to the smaller}."""
     points = {}
-    for (family, batch), rows in _grid(frame).groupby(["family", "max_active"], sort=True):
+    for (family, batch), rows in grid_rows(frame).groupby(["family", "max_active"], sort=True):
         points[point_key(family, int(batch))] = {
             kind: _best_split(rows[rows["engine"] == name]) for name, kind in scheduled_routes().items()
         }
     return points
-
-
-def _measured(rows: pd.DataFrame) -> np.ndarray:
-    """Device time per step: CUDA events, wall time where none were timed (the CPU)."""
-    return rows["cuda_s"].where(rows["cuda_s"].notna(), rows["wall_s"]).to_numpy()
-
-
-def _replayed(rows: pd.DataFrame) -> pd.DataFrame:
-    """The rows with a CUDA-graph replay time where there are any, else all of them. Events
-    around run() also hold the host's launch of it: for FlashInfer's Python run() that was
-    ~80-110 us at B1 on the H200 (CUDA events 134 us, graph replay 35 us)."""
-    graphed = rows[rows["graph_s"].notna()] if "graph_s" in rows else rows.iloc[:0]
-    return graphed if len(graphed) else rows
-
-
-def _device(rows: pd.DataFrame) -> np.ndarray:
-    """Device time per step: graph replay, else what _measured gives (events, else wall)."""
-    measured = _measured(rows)
-    return np.where(rows["graph_s"].notna(), rows["graph_s"], measured) if "graph_s" in rows else measured
 
 
 def _relative_fit(features: np.ndarray, measured: np.ndarray) -> tuple[np.ndarray, float]:
@@ -204,11 +186,11 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     bimodal B4 it costed the workqueue's 96 CTAs at 2.7x the bytes time and the bucket
     route's 8 launches at 79 us, so the router took the bucket route that ran slower on
     every measure (results/raw/serve/bimodal-b4-*)."""
-    frame = _grid(frame)
+    frame = grid_rows(frame)
     rows = frame[frame["engine"].isin(list(scheduled_routes())) & frame["decode_ctas"].notna()]
     if rows.empty:
         raise ValueError("no PersistentKV rows to fit C_min and lambda on")
-    measured = _measured(rows)
+    measured = measured_s(rows)
     bytes_t = rows["useful_kv_bytes"].to_numpy() / beta
     merge_t = rows["merge_bytes"].to_numpy() / beta
     occupancy = rows["decode_ctas"].to_numpy() / sm_count
@@ -227,7 +209,7 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
 
 def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> float:
     rows = frame[frame["engine"] == baseline]
-    measured = _measured(rows)
+    measured = measured_s(rows)
 
     def loss(ctas: int) -> float:
         model = [estimate(RouteCost(baseline, t * kv_bytes_per_token, a * num_kv_heads * ctas, 1, 0.0), k)
@@ -257,14 +239,14 @@ def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES, piece_cost:
     coefficients of T = fixed + KV bytes * a + merge bytes * b, non-negative, minimizing
     the squared relative error against the measured device time. The grid (num_ctas) is
     the rows' own: CTAs with work + CTAs without."""
-    rows = _replayed(frame[(frame["engine"] == "pkv-graph") & frame["decode_ctas"].notna()])
+    rows = replayed(frame[(frame["engine"] == "pkv-graph") & frame["decode_ctas"].notna()])
     if rows.empty:
         return None
     grids = (rows["decode_ctas"] + rows["empty_ctas"]).unique()
     if len(grids) != 1:
         raise ValueError(f"pkv-graph rows of the sweep ran on several grids: {sorted(grids)}")
     features = np.column_stack([np.ones(len(rows)), rows["useful_kv_bytes"].to_numpy(), rows["merge_bytes"].to_numpy()])
-    x, err = _relative_fit(features, _device(rows))
+    x, err = _relative_fit(features, device_s(rows))
     fit = GraphFit(float(x[0]), float(x[1]), float(x[2]), int(grids[0]), int(min_tiles), int(piece_cost))
     return {**{key: getattr(fit, key) for key in GraphFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
 
@@ -273,12 +255,12 @@ def fit_baseline(frame: pd.DataFrame, baseline: str, kv_bytes_per_token: int) ->
     """A FlashInfer route's BaselineFit from its rows of the sweep (the graph-replayed ones
     where there are any), or None without rows: T = fixed + KV bytes * a + rows * b,
     non-negative, minimizing the squared relative error against the device time."""
-    rows = _replayed(frame[frame["engine"] == baseline])
+    rows = replayed(frame[frame["engine"] == baseline])
     if rows.empty:
         return None
     features = np.column_stack([np.ones(len(rows)), rows["total_tokens"].to_numpy(dtype=float) * kv_bytes_per_token,
                                 rows["active"].to_numpy(dtype=float)])
-    x, err = _relative_fit(features, _device(rows))
+    x, err = _relative_fit(features, device_s(rows))
     fit = BaselineFit(*map(float, x))
     return {**{key: getattr(fit, key) for key in BaselineFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
 
@@ -291,10 +273,10 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
     minimizing the squared relative error against the device time, C the best of the
     FIT_C_MIN grid (occupancy = decode CTAs / SMs)."""
     rows = frame[(frame["engine"] == engine) & (frame["split"] == 0) & frame["decode_ctas"].notna()]
-    rows = _replayed(rows)
+    rows = replayed(rows)
     if rows.empty:
         return None
-    measured = _device(rows)
+    measured = device_s(rows)
     kv = rows["useful_kv_bytes"].to_numpy(dtype=float)
     occupancy = rows["decode_ctas"].to_numpy(dtype=float) / sm_count
     rest = [rows["merge_bytes"].to_numpy(dtype=float), rows["launches"].to_numpy(dtype=float)]
@@ -324,8 +306,8 @@ def fit_host_s(frame: pd.DataFrame) -> dict:
     baselines, pkv-graph), else CUDA events, so device + H_r is the step's wall time."""
     out = {}
     for engine, rows in frame[frame["cuda_s"].notna()].groupby("engine", sort=True):
-        rows = _replayed(rows)
-        out[engine.removeprefix("pkv-")] = float(np.median(np.clip(rows["wall_s"].to_numpy() - _device(rows), 0.0, None)))
+        rows = replayed(rows)
+        out[engine.removeprefix("pkv-")] = float(np.median(np.clip(rows["wall_s"].to_numpy() - device_s(rows), 0.0, None)))
     return out
 
 
@@ -391,4 +373,7 @@ def calibrate(cfg: Config | dict) -> tuple[dict, pd.DataFrame]:
     }
     frame = sweep(t, Constants.from_dict(constants))
     constants = fit_constants(constants, frame, list(t.baselines), shape.kv_bytes_per_token, shape.num_kv_heads)
+    if t.policy.fit_overlapped_margin:
+        fit = fit_overlapped_margin(t, constants, device_by_step(frame), sorted(scheduled_routes().values()))
+        constants.update(fit or {})
     return constants, frame
