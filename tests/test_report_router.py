@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 
 from pkv.plan.costmodel import Constants
-from pkv.report.router import build, regret, regret_markdown
+from pkv.report.router import build, margin_sentence, regret, regret_markdown
 
 ROOT = Path(__file__).resolve().parents[1] / "results"
 
@@ -31,8 +31,26 @@ def test_regret_against_the_best_fixed_route_in_hindsight():
     assert r.best_wall_route == "pkv-workqueue" and r.wall_regret == pytest.approx(0.75)
     assert r.best_device_route == "flashinfer" and r.device_regret == pytest.approx(1.0 / 1.2)
     assert r.route_us_median == pytest.approx(4.0) and r.routes == "pkv-bucket/s32"
+    assert r.device_over_flashinfer == pytest.approx(1.0 / 1.2)   # over the faster FlashInfer measured
     text = regret_markdown(regret(frame, _k()), smoke=False)
     assert "| Bimodal B4 |" in text and "0.750 ✗" in text and "Wall bar met on 0 of 1" in text
+    assert "device × FlashInfer" in text and "FlashInfer bar" not in text   # the serial router has no such bar
+
+
+def test_the_overlapped_router_is_judged_against_flashinfer_too():
+    frame = pd.DataFrame(_rows("flashinfer", 8e-4, 1.0e-4) + _rows("pkv-workqueue", 3e-4, 0.9e-4)
+                         + _rows("adaptive:objective=overlapped", 9e-4, 1.05e-4, route="flashinfer"))
+    text = regret_markdown(regret(frame, _k()), smoke=False, margin="Its margin, 1.02, was fitted.")
+    assert "FlashInfer bar (≥ 0.98) on 0 of 1 (min 0.952)" in text and "0.952 ✗" in text
+    assert "Its margin, 1.02, was fitted." in text
+
+
+def test_the_margin_sentence_says_where_the_margin_came_from():
+    fit = {"margin": 1.02, "worst": 0.9879, "geomean": 0.999}
+    assert "1.02, was fitted at calibration on seed 7" in margin_sentence({"overlapped_margin_fit": fit,
+                                                                         "calibration_seed": 7})
+    assert "the config's" in margin_sentence({"overlapped_margins": [{"max_active": 1024, "margin": 1.05}]})
+    assert "serial objective's margins" in margin_sentence({})
 
 
 @pytest.mark.skipif(not (ROOT / "raw" / "serve").is_dir(), reason="no committed serving Parquet")
