@@ -347,6 +347,8 @@ def test_every_placeholder_is_quoted(tmp_path):
             shell = line.strip() == "shell:" or (shell and line.strip().startswith('"'))
             if shell:
                 unquoted += [f"{f.name}:{n}: {m}" for m in re.findall(r"\{[A-Za-z_][\w.]*(?![\w.]*:q)\}", line)]
+                # A command substitution's output is split by the shell unless it is quoted too.
+                unquoted += [f"{f.name}:{n}: {m}" for m in re.findall(r'(?<!\\")\$\([^)]*\)', line)]
     assert not unquoted
 
 
@@ -467,6 +469,23 @@ def test_bad_flag_values_name_the_flag(flags, message):
 def test_measure_seed_flag_is_checked_by_type(frozen):
     d, _ = frozen
     assert one_line(measure(d, "b4-sweep", "--seed", "-1")).endswith("argument --seed: must be in 0..4294967295, got -1")
+
+
+def test_the_host_bench_keeps_the_seed_discipline(frozen):
+    d, _ = frozen
+    for seed, message in ((str(CAL), f"--seed {CAL} is the calibration seed"),
+                          ("-1", "--seed -1 is not one of this config's seeds for the stage: host runs on the held-out")):
+        line = one_line(pkv("bench", "host", "--config", str(d / "config.json"), "--seed", seed,
+                            "--out", str(d / "host.parquet")))
+        assert message in line and not (d / "host.parquet").exists()
+
+
+def test_constants_without_a_key_are_named_not_a_traceback(frozen):
+    d, _ = frozen   # constants.json holds its config hash and nothing else
+    line = one_line(measure(d, "gqa-sweep", "--group", "4"))
+    assert line == f"pkv: error: {d / 'constants.json'}: constants key 'device' missing; rerun the calibration " \
+                   "(pkv measure calibrate) to rewrite it"
+    assert not (d / "out.parquet").exists()
 
 
 def test_a_full_disk_names_the_path(tmp_path, monkeypatch):

@@ -187,10 +187,10 @@ def measure_cmd(args) -> int:
     jobs = jobs_of(args)
     for job in jobs:        # every job's flags before any is measured
         check_args(cfg, job)
-    _announce(cfg)
     from pkv.plan.costmodel import Constants
 
-    k = Constants.load(args.constants)
+    k = Constants.load(args.constants)   # a constants file missing a key is refused before the banner
+    _announce(cfg)
     _, row = by_command(args.stage)
     run = getattr(importlib.import_module(row.module), row.run)
     for job in jobs:

@@ -19,6 +19,7 @@ SEED_ROLES = {
     "serve": "heldout", "b4_sweep": "heldout", "mlp_proxy": "heldout", "kv_fp8": "heldout", "model_step": "heldout",
     "isolated": "ablation", "split_sensitivity": "ablation", "gqa_sweep": "ablation", "raggedness": "ablation",
     "implementation": "ablation", "external": "ablation", "nsight": "ablation",
+    "host": "heldout",   # pkv bench host: the synthetic lengths of its active sets
 }
 
 

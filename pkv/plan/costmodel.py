@@ -231,7 +231,19 @@ class Constants:
 
     @classmethod
     def load(cls, path: str | Path) -> "Constants":
-        return cls.from_dict(json.loads(Path(path).read_text()))
+        """The constants frozen at `path`; a file that is not a calibration's output (a key
+        missing, a value of the wrong type) is refused in one line naming the file and key."""
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: not a JSON constants file (line {e.lineno}: {e.msg})") from None
+        try:
+            return cls.from_dict(d)
+        except KeyError as e:
+            raise ValueError(f"{path}: constants key {e.args[0]!r} missing; rerun the calibration "
+                             f"(pkv measure calibrate) to rewrite it") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{path}: not a calibration's constants ({type(e).__name__}: {e})") from None
 
 
 def _margins(rows) -> tuple:

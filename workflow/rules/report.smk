@@ -62,4 +62,4 @@ rule compare_reference:
     log:
         out("logs/report/comparison.md.log"),
     shell:
-        "python3 -m pkv.cli compare --reference $(dirname {input.reference:q}) --out {output.md:q} > {log:q} 2>&1"
+        "python3 -m pkv.cli compare --reference \"$(dirname {input.reference:q})\" --out {output.md:q} > {log:q} 2>&1"
