@@ -16,11 +16,14 @@ def version_line() -> str:
     from importlib import metadata
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
+    here = Path(__file__).resolve().parent
     commit = "unknown (not a git checkout)"
-    if (root / ".git").exists():
-        done = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    if (here.parent / ".git").exists():
+        done = subprocess.run(["git", "-C", str(here.parent), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True)
         commit = done.stdout.strip() or commit
+    elif (here / "_commit.txt").is_file():   # an installed wheel: the commit it was built from (setup.py)
+        commit = (here / "_commit.txt").read_text().strip()
     try:
         import torch
 

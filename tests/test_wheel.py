@@ -29,10 +29,16 @@ def _digest(folder: Path) -> dict[str, str]:
 def test_wheel_ships_csrc_and_installs_kernel_only(tmp_path):
     src = tmp_path / "src"
     src.mkdir()
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(REPO / name, src / name)
     shutil.copytree(REPO / "csrc", src / "csrc")
     shutil.copytree(REPO / "pkv", src / "pkv", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    # The copy as a checkout of its own, so the wheel has a commit to record.
+    git = ("git", "-C", src, "-c", "user.name=test", "-c", "user.email=test@example.invalid")
+    _run(*git, "init", "-q", cwd=tmp_path)
+    _run(*git, "add", "-A", cwd=tmp_path)
+    _run(*git, "commit", "-q", "-m", "wheel source", cwd=tmp_path)
+    commit = _run("git", "-C", src, "rev-parse", "--short", "HEAD", cwd=tmp_path).strip()
     _run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", src, "-w", tmp_path / "dist",
          cwd=tmp_path)
     wheel = next((tmp_path / "dist").glob("pkv-*.whl"))
@@ -59,8 +65,10 @@ def test_wheel_ships_csrc_and_installs_kernel_only(tmp_path):
              "kv = torch.randn(4, 2, 2, 16, 64).half()\n"
              "out = decode(torch.randn(1, 4, 64).half(), kv, torch.arange(4, dtype=torch.int32).view(1, 4),"
              " torch.tensor([50], dtype=torch.int32))\n"
-             "print(pkv.__file__); print(csrc_dir()); print(bool(torch.isfinite(out).all()))")
-    pkg_file, csrc, finite = _run(python, "-c", probe, cwd=tmp_path).split()
+             "print(pkv.__file__); print(csrc_dir()); print(bool(torch.isfinite(out).all()))\n"
+             "print(pkv.version_line().split('(commit ')[1].split(';')[0])")
+    pkg_file, csrc, finite, built_from = _run(python, "-c", probe, cwd=tmp_path).split()
+    assert built_from == commit   # `pkv --version` outside a checkout names the wheel's commit
     site = venv / "lib"
     assert Path(pkg_file).is_relative_to(site), pkg_file
     assert Path(csrc) == Path(pkg_file).parent / "_csrc" and not Path(csrc).is_symlink()

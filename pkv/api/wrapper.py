@@ -91,9 +91,16 @@ class DecodeWrapper:
         view = kv_view(kv_layer, self.layout)
         _check_reading(view, self.layout, self.shape.num_kv_heads, self.shape.page_size)
         rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
-        if not 1 <= rows <= self.max_batch:
-            raise ValueError(f"pkv decode: this wrapper takes q [1..{self.max_batch}, {self.shape.num_qo_heads}, "
-                             f"{self.shape.head_dim}], got {list(getattr(q, 'shape', []))}")
+        s = self.shape
+        if not 1 <= rows <= self.max_batch or tuple(q.shape[1:]) != (s.num_qo_heads, s.head_dim):
+            raise ValueError(f"pkv decode: this wrapper takes q [1..{self.max_batch}, {s.num_qo_heads}, "
+                             f"{s.head_dim}], got {list(getattr(q, 'shape', []))}")
+        if q.dtype != s.torch_dtype:
+            raise ValueError(f"pkv decode: this wrapper was made for {s.torch_dtype} queries, got {q.dtype}")
+        kv_fp8 = view.k.dtype == torch.float8_e4m3fn
+        if kv_fp8 != (s.kv_dtype == "fp8"):   # the workspace and the kernel are chosen for one KV dtype
+            made = "an FP8 (e4m3) KV cache (kv_fp8=True)" if s.kv_dtype == "fp8" else f"a {s.torch_dtype} KV cache"
+            raise ValueError(f"pkv decode: this wrapper was made for {made}, the layer's KV cache is {view.k.dtype}")
         return run_op(q, view, self.block_table[:rows], self.seq_lens[:rows], self.workspace, sm_scale=sm_scale,
                       logits_soft_cap=logits_soft_cap, out=out, return_lse=return_lse, k_scale=k_scale,
                       v_scale=v_scale)
