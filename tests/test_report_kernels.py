@@ -7,9 +7,8 @@ import pandas as pd
 import pytest
 
 from pkv.core import io
+from pkv.core.units import K
 from pkv.report.kernels import fit_b1, load, main, summary
-
-K = 1024
 
 
 def synthetic(tmp_path):

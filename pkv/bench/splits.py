@@ -14,7 +14,6 @@ import json
 import math
 import statistics
 import sys
-import time
 
 import numpy as np
 import pandas as pd
@@ -27,7 +26,7 @@ from pkv.plan.schedule import SplitPolicy
 from pkv.bench.cases import Case, build_caches
 from pkv.bench.roofline import read_roofline
 from pkv.core.units import K
-from pkv.measure.timing import events_us, graph_us_per_call
+from pkv.measure.timing import HostClock, events_us, graph_us_per_call
 
 PKV_ENGINES = table.names("pkv")
 BASELINES = table.names("flashinfer", "sdpa")
@@ -87,14 +86,13 @@ def time_engine(work: Workload, name: str, splits: int | None, reps: int, sweep:
     e0, q0 = engines[0], work.queries[0]
     walls, preps = [], []
     for _ in range(max(10, reps // 2)):
-        t0 = time.perf_counter()
+        clock = HostClock()
         p = e0.prepare(work.step)
-        t1 = time.perf_counter()
+        clock.mark()
         e0.run(q0, p)
         torch.cuda.synchronize()
-        t2 = time.perf_counter()
-        preps.append((t1 - t0) * 1e6)
-        walls.append((t2 - t0) * 1e6)
+        walls.append(clock.stop() * 1e6)
+        preps.append(clock.phases()[0] * 1e6)
     plan = plans[0]
     return {
         "graph_us": graph_us,

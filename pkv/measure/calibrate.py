@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from itertools import combinations
 
 import numpy as np
@@ -51,7 +50,7 @@ from pkv.measure.sweep_rows import device_s, grid_rows, measured_s, replayed
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
 from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
-from pkv.measure.timing import sync
+from pkv.measure.timing import HostClock, sync
 from pkv.plan.device_schedule import GRAPH_MIN_TILES, PIECE_COST
 
 FIT_CTAS = tuple(2 ** i for i in range(8))
@@ -65,10 +64,10 @@ def bandwidth(device: str, nbytes: int, reps: int = 10) -> float:
     times = []
     for _ in range(reps):
         sync(device)
-        t0 = time.perf_counter()
+        clock = HostClock()
         dst.copy_(src)
         sync(device)
-        times.append(time.perf_counter() - t0)
+        times.append(clock.stop())
     return 2 * src.numel() / statistics.median(times)
 
 
@@ -78,11 +77,11 @@ def launch_overhead(device: str, samples: int) -> float:
     for _ in range(10):
         x.add_(1)
     sync(device)
-    t0 = time.perf_counter()
+    clock = HostClock()
     for _ in range(samples):
         x.add_(1)
     sync(device)
-    return (time.perf_counter() - t0) / samples
+    return clock.stop() / samples
 
 
 def sm_count(device: str) -> int:

@@ -2,14 +2,17 @@
 the three timings of a decode step (paper §3.9), used by pkv.measure.loop (every stage) and
 pkv.measure.calibrate.
 
-- wall_s: time.perf_counter() around prepare() + run() + synchronize (serving-facing);
+- wall_s: the host clock (`HostClock`, time.perf_counter) around prepare() + run() +
+  synchronize (serving-facing);
 - cuda_s: CUDA events around the queued run() work (device diagnostic);
 - graph_s: device time of one CUDA-graph replay of run(), L2 flushed first (no host
   overhead at all).
 
 The model-level step times whole decoder steps with `StepClock` (serial and pipelined).
 Benchmarks (pkv bench kernels / splits) time many calls with `events_us` and
-`graph_us_per_call` instead: inputs rotated beyond the L2 rather than flushed.
+`graph_us_per_call` instead: inputs rotated beyond the L2 rather than flushed. Every
+host-clock span, here and in pkv bench host / splits (host path) and pkv.measure.calibrate
+(copy bandwidth, launch overhead), is a `HostClock`; the caller places its synchronizations.
 
 L2 policy: before every timed step and every replay, a buffer of L2_FLUSH_BYTES is
 zeroed (cold L2 for every engine alike). On the CPU, cuda_s and graph_s are NaN.
@@ -36,6 +39,32 @@ def sync(device: str | torch.device) -> None:
     """Wait for queued device work (no-op on the CPU)."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+class HostClock:
+    """The host clock of one timed span: time.perf_counter() stamped at construction and at
+    each mark(), nothing else between the caller's own calls (synchronize where the span
+    needs it, e.g. with `sync`, before the mark). Read the phases after the last mark:
+    phases() (seconds between consecutive stamps), total() (first stamp to last); stop() is
+    mark() + total()."""
+
+    __slots__ = ("stamps",)
+
+    def __init__(self):
+        self.stamps = [time.perf_counter()]
+
+    def mark(self) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def stop(self) -> float:
+        self.mark()
+        return self.total()
+
+    def total(self) -> float:
+        return self.stamps[-1] - self.stamps[0]
+
+    def phases(self) -> list[float]:
+        return [b - a for a, b in zip(self.stamps, self.stamps[1:])]
 
 
 class Timer:
@@ -72,7 +101,7 @@ class Timer:
         if self.cuda:
             self.flush.zero_()
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        clock = HostClock()
         plan = engine.prepare(state)
         if self.cuda:
             self.start.record()
@@ -80,7 +109,7 @@ class Timer:
         if self.cuda:
             self.end.record()
             torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
+        wall = clock.stop()
         engine.validate = True
         return plan, wall, self.start.elapsed_time(self.end) / 1e3 if self.cuda else math.nan
 
@@ -134,28 +163,28 @@ class StepClock:
         if self.cuda:
             self.flush.zero_()
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
+        clock = HostClock()
         runner.prepare(step, bucket)
-        t1 = time.perf_counter()
+        clock.mark()
         if self.cuda:
             self.ev[0].record()
         out = runner.launch(step, bucket)
         if self.cuda:
             self.ev[1].record()
             torch.cuda.synchronize()
-        t2 = time.perf_counter()
+        wall = clock.stop()
         device = self.ev[0].elapsed_time(self.ev[1]) / 1e3 if self.cuda else math.nan
-        return out, t2 - t0, t1 - t0, device
+        return out, wall, clock.phases()[0], device
 
     def pipelined(self, runner, steps: list[StepState], buckets: list[int]) -> float:
         """Wall time of all steps back to back, no synchronization between them."""
         self.sync()
-        t0 = time.perf_counter()
+        clock = HostClock()
         for step, bucket in zip(steps, buckets):
             runner.prepare(step, bucket)
             runner.launch(step, bucket)
         self.sync()
-        return time.perf_counter() - t0
+        return clock.stop()
 
 
 def events_us(fn: Callable[[], object]) -> float:

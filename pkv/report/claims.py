@@ -21,6 +21,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from pkv.config.resolve import SMOKE_BANNER
+from pkv.core.units import K
 from pkv.measure.nsight import table5
 from pkv.report.load import Raw, load
 from pkv.report.ratios import baselines, mean_sd, modal_route, num, ratios
@@ -281,7 +282,7 @@ _B8 = [("bimodal", "Bimodal B8", 1.080, "1.080±0.050", 1.106, "1.106±0.042"),
        ("zipf", "Zipf B8", 1.068, "1.068±0.028", 1.105, "1.105±0.026")]
 
 CLAIMS: list[Claim] = [
-    *(Claim("Table 1, §4.2", f"PersistentKV auto split ÷ FlashInfer latency, {c // 1024}K", p, t, "ratio",
+    *(Claim("Table 1, §4.2", f"PersistentKV auto split ÷ FlashInfer latency, {c // K}K", p, t, "ratio",
             isolated_ratio(c), ISO)
       for c, p, t in ((8192, 1.045, "1.045 (0.1255 ÷ 0.1201 ms)"), (32768, 1.044, "1.044 (0.4597 ÷ 0.4404 ms)"),
                       (65536, 1.044, "1.044 (0.9069 ÷ 0.8686 ms)"))),

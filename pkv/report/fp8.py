@@ -15,6 +15,7 @@ import argparse
 import pandas as pd
 
 from pkv.core import io
+from pkv.core.units import K
 from pkv.engines.table import baselines
 from pkv.report.kernels import pools_note
 from pkv.report.ratios import mean_sd, num, throughputs
@@ -53,8 +54,8 @@ def kernel_summary(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def kernel_bars(s: pd.DataFrame) -> list[str]:
-    long1 = s[(s.batch == 1) & (s.max_len >= 32 * 1024)]
-    roof = s[((s.batch == 1) & (s.max_len >= 64 * 1024)) | (s.index == "B8 32K")]
+    long1 = s[(s.batch == 1) & (s.max_len >= 32 * K)]
+    roof = s[((s.batch == 1) & (s.max_len >= 64 * K)) | (s.index == "B8 32K")]
 
     def listing(rows, col, fmt):
         return ", ".join(f"{p} {format(r[col], fmt)}" for p, r in rows.iterrows()) or "n/a"

@@ -26,6 +26,7 @@ from tabulate import tabulate
 
 from pkv.engines import table
 from pkv.core.io import atomic_write_many
+from pkv.core.units import K
 from pkv.config.resolve import SMOKE_BANNER
 from pkv.measure.nsight import table5
 from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
@@ -115,11 +116,11 @@ def t_isolated(raw: Raw) -> pd.DataFrame:
             # Auto split: the best split of the grid per context (the paper's autotuned row).
             best = g.loc[g.groupby("context")["device_s"].idxmin()].set_index("context")
             row = {"Method": f"{engine}, auto split"}
-            row.update({f"{c // 1024}K ms" if c >= 1024 else f"{c} ms": f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} (s{int(best.loc[c, 'split'])})" for c in contexts})
+            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} (s{int(best.loc[c, 'split'])})" for c in contexts})
         else:
             g = g.set_index("context")
             row = {"Method": engine}
-            row.update({f"{c // 1024}K ms" if c >= 1024 else f"{c} ms": num(g.loc[c, "device_s"] * 1e3, ".4f") for c in contexts})
+            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": num(g.loc[c, "device_s"] * 1e3, ".4f") for c in contexts})
         rows.append(row)
     return pd.DataFrame(rows)
 

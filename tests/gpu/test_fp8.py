@@ -26,6 +26,7 @@ from pkv.engines import make_engine
 from pkv.core.fp8 import E4M3_STEP
 from pkv.kernels.reference import attention_reference
 from pkv.core.shape import Shape
+from pkv.core.units import K
 from test_graph import replay_and_check, replay_case, run_graph
 from test_kernels import TOL, make_case, seed_of
 
@@ -33,7 +34,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-K = 1024
 SUBNORMAL_HALF_STEP = 2.0 ** -10   # half of e4m3's subnormal spacing 2^-9, in units of the scale
 
 

@@ -16,13 +16,13 @@ from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.core.shape import Shape
+from pkv.core.units import K
 from test_kernels import check, make_case, reference, seed_of
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-K = 1024
 
 
 def run_graph(engine, step, q):

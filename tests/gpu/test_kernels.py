@@ -20,6 +20,7 @@ from pkv.core.paging import assign_pages
 from pkv.kernels.reference import attention_reference
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
+from pkv.core.units import K
 
 pytestmark = [
     pytest.mark.gpu,
@@ -30,7 +31,6 @@ PKV = ["pkv-bucket", "pkv-masked", "pkv-workqueue", "pkv-fused"]
 # fp16 meets the paper's bar; bf16 keeps 8 mantissa bits, so its output rounding alone
 # is up to 2^-9 relative (|o| <= ~4 here): the bf16 bar is scaled by that quantum.
 TOL = {"float16": (2e-3, 3e-4), "bfloat16": (1.6e-2, 2e-3)}
-K = 1024
 
 
 def seed_of(*parts) -> int:

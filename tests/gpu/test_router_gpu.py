@@ -15,13 +15,13 @@ from pkv.core.harness import StepState
 from pkv.engines import make_engine
 from pkv.engines.graph import GraphEngine
 from pkv.plan.costmodel import Constants, GraphFit, graph_counts
+from pkv.core.units import K
 from test_kernels import check, make_case, reference
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-K = 1024
 
 
 def _constants(objective_host: float = 5e-4) -> Constants:
