@@ -1,8 +1,8 @@
 """PersistentKV: native block-table GQA decode attention and the pipeline that measures it.
 
 Importing this package needs neither a GPU nor FlashInfer, and imports no torch: `Shape`
-(and with it torch) loads on first use, so the pipeline's parse step and its table and
-figure jobs start without torch. The CUDA kernels and the FlashInfer baselines are loaded
+loads on first use and is torch-free itself, so the pipeline's parse step and its table
+and figure jobs start without torch. The CUDA kernels and the FlashInfer baselines are loaded
 on first use by the engines that need them.
 """
 

@@ -72,3 +72,24 @@ def test_small_modules(path):
     lines = len(path.read_text().splitlines())
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     assert lines <= 400 or "long because" in doc, f"{path}: {lines} lines and no reason in its docstring"
+
+
+def test_the_measuring_roles_never_import_the_report():
+    """The report reads what the measuring side wrote; nothing below it reaches up into it
+    (a bench renders no table of its own: its table is a report target)."""
+    below = {"core", "plan", "kernels", "engines", "measure", "bench", "api"}
+    up = sorted((a, b) for a, b in graph().edges if _role(a) in below and _role(b) == "report")
+    assert not up, up
+
+
+def test_the_report_and_the_cost_model_load_no_torch():
+    """Tables, figures and the router's cost model start without torch (pkv.core.shape is
+    torch-free; torch_dtype imports it on first use)."""
+    import subprocess
+    import sys
+
+    modules = sorted(m for m in graph().nodes if _role(m) == "report") + ["pkv.plan.costmodel", "pkv.core.shape"]
+    probe = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "False"

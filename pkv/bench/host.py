@@ -13,9 +13,9 @@ view built, warm-up), then with validation off
 Beside each FlashInfer engine: FlashInfer's raw `plan()` called directly on the same
 prebuilt arrays (host indptr and last_page_len, device page ids), and `view_us`, the
 cost of building those arrays for a step (done once per step off the timed path; a
-serving engine pays a gather kernel for it). The bar of issue 13: an adapter's
-prepare() <= 1.10 x raw plan() + 10 us. Medians over the steps; Parquet with
-provenance, and the Markdown table rendered from it.
+serving engine pays a gather kernel for it). The bar of issue 13 (pkv.bench.bars): an
+adapter's prepare() <= 1.10 x raw plan() + 10 us. Medians over the steps, in Parquet with
+provenance; its table is the report's (pkv.report.host, target tables/host_path.md).
 """
 
 from __future__ import annotations
@@ -23,21 +23,21 @@ from __future__ import annotations
 import math
 import statistics
 import sys
-import time
 
 import numpy as np
 import pandas as pd
 import torch
 
 from pkv.core import io
-from pkv.measure.timing import sync
-from pkv.report.host import BAR_FACTOR, BAR_US, markdown
+from pkv.measure.timing import HostClock, sync
+from pkv.bench.bars import BAR_FACTOR, BAR_US
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import Constants
 from pkv.engines import make_engine, table
 from pkv.engines.flashinfer import plan as flashinfer_plan
 from pkv.core.harness import StepState
 from pkv.config.resolve import config_hash, device_of, load_config, shape_of
+from pkv.config.seeds import check_seed, stage_seeds
 from pkv.config.typed import Config
 from pkv.core.paging import assign_pages, flashinfer_view
 from pkv.plan.schedule import SplitPolicy
@@ -83,25 +83,25 @@ def time_engine(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> 
         engine.run(q, engine.prepare(step))
         engine.validate = False
         sync("cuda" if cuda else "cpu")
-        t0 = time.perf_counter()
+        clock = HostClock()
         plan = engine.prepare(step)
-        t1 = time.perf_counter()
+        clock.mark()
         engine.run(q, plan)
-        t2 = time.perf_counter()
+        clock.mark()
         sync("cuda" if cuda else "cpu")
-        t3 = time.perf_counter()
-        prep.append(t1 - t0)
-        launch.append(t2 - t1)
-        wall.append(t3 - t0)
+        wall.append(clock.stop())
+        prep_s, launch_s, _ = clock.phases()
+        prep.append(prep_s)
+        launch.append(launch_s)
         route.append(getattr(plan, "route_s", math.nan))
     engine.validate = True
     exact = []
     if getattr(engine, "router", None) is not None:   # the same decisions, uncached: what a cache miss costs
         uncached = engine.router.uncached()
         for step in steps:
-            t0 = time.perf_counter()
+            clock = HostClock()
             uncached.decide(step.request_ids, step.seq_lens)
-            exact.append(time.perf_counter() - t0)
+            exact.append(clock.stop())
     us = lambda xs: 1e6 * statistics.median(xs)  # noqa: E731
     return {"route": plan.route, "prepare_us": us(prep), "prepare_p90_us": 1e6 * float(np.percentile(prep, 90)),
             "launch_us": us(launch), "wall_us": us(wall),
@@ -122,19 +122,19 @@ def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
     s = engine.cache.shape
     plans, views = [], []
     for step in steps:
-        t0 = time.perf_counter()
+        clock = HostClock()
         v = flashinfer_view(engine.cache.assignment, step.request_ids, step.seq_lens)
         arrays = (torch.from_numpy(v.indptr), torch.from_numpy(v.indices).to(engine.cache.device),
                   torch.from_numpy(v.last_page_len), torch.from_numpy(np.asarray(step.seq_lens, dtype=np.int32)))
         sync("cuda" if cuda else "cpu")
-        views.append(time.perf_counter() - t0)
+        views.append(clock.stop())
         indptr, indices, last, lens = arrays
         qo_indptr = torch.arange(step.active + 1, dtype=torch.int32)
         sync("cuda" if cuda else "cpu")
-        t0 = time.perf_counter()
+        clock = HostClock()
         flashinfer_plan(engine.wrapper, s, indptr, indices, last, seq_lens=lens,
                         qo_indptr=qo_indptr if engine.name == "flashinfer-persistent" else None)
-        plans.append(time.perf_counter() - t0)
+        plans.append(clock.stop())
         sync("cuda" if cuda else "cpu")
     return {"raw_plan_us": 1e6 * statistics.median(plans), "view_us": 1e6 * statistics.median(views)}
 
@@ -187,6 +187,9 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
 def run_host(args) -> int:
     cfg = load_config(args.config)
     typed = Config.from_dict(cfg, args.config)   # a wrong key fails here, not mid-benchmark
+    # The held-out discipline as for every measuring command: the config's first held-out
+    # seed unless --seed names another of them.
+    args.seed = stage_seeds(cfg, "host")[0] if args.seed is None else check_seed(cfg, "host", args.seed)
     smoke = typed.profile == "smoke"
     if device_of(cfg) == "cuda" and not torch.cuda.is_available():
         raise ValueError("pkv bench host: the paper profile needs a CUDA device")
@@ -203,10 +206,8 @@ def run_host(args) -> int:
                                            if key not in ("func", "command", "bench") and value != "")
     meta = {**io.provenance(config_hash(cfg), io.file_hash(args.constants) if args.constants else "none"),
             "command": command, "profile": typed.profile}
-    io.write_parquet(frame, args.out, meta)
-    if args.table:   # also rendered by `pkv report` (target tables/host_path.md)
-        io.atomic_write_text(args.table, markdown(pd.read_parquet(args.out), io.read_meta(args.out)))
-    print(f"wrote {args.out}" + (f" and {args.table}" if args.table else ""))
+    io.write_parquet(frame, args.out, meta)   # its table: `pkv report --target results/tables/host_path.md`
+    print(f"wrote {args.out}")
     return 0
 
 
@@ -221,7 +222,7 @@ def add_command(bench_sub) -> None:
     p.add_argument("--steps", type=int, default=64, help="consecutive decode steps timed per engine and batch")
     p.add_argument("--min-len", type=int, default=1024)
     p.add_argument("--max-len", type=int, default=16384)
-    p.add_argument("--seed", type=int, default=20260623)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the active sets' lengths: one of the config's held-out seeds (default: the first)")
     p.add_argument("--out", default="results/raw/host/host_path.parquet")
-    p.add_argument("--table", default="", help="also write the Markdown table here (it is a `pkv report` target)")
     p.set_defaults(func=run_host)

@@ -1,12 +1,15 @@
-"""The attention shape every engine, trace and table shares."""
+"""The attention shape every engine, trace and table shares.
+
+Torch-free (the cost model and the report read shapes without loading torch): a dtype is
+its name and byte size here; `torch_dtype` imports torch on first use.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# Bytes per element of each query / KV dtype, by the name torch gives it.
+DTYPES = {"float16": 2, "bfloat16": 2, "float32": 4}
 # What the KV cache stores: `auto` = the query's dtype; `fp8` = e4m3 bytes plus scales (pkv.core.fp8).
 KV_DTYPES = ("auto", "fp8")
 
@@ -51,24 +54,28 @@ class Shape:
         return self.num_qo_heads // self.num_kv_heads
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        import torch
+
+        return getattr(torch, self.dtype)
 
     @property
     def itemsize(self) -> int:
-        return self.torch_dtype.itemsize
+        return DTYPES[self.dtype]
 
     @property
     def fp8(self) -> bool:
         return self.kv_dtype == "fp8"
 
     @property
-    def kv_torch_dtype(self) -> torch.dtype:
+    def kv_torch_dtype(self):
+        import torch
+
         return torch.float8_e4m3fn if self.fp8 else self.torch_dtype
 
     @property
     def kv_itemsize(self) -> int:
-        return self.kv_torch_dtype.itemsize
+        return 1 if self.fp8 else self.itemsize
 
     @property
     def kv_bytes_per_token(self) -> int:

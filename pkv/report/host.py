@@ -7,9 +7,8 @@ import math
 
 import pandas as pd
 
+from pkv.bench.bars import BAR_FACTOR, BAR_US
 from pkv.config.resolve import SMOKE_BANNER
-
-BAR_FACTOR, BAR_US = 1.10, 10.0   # issue 13: an adapter's prepare() <= 1.10 x raw plan() + 10 us
 
 
 def _us(x) -> str:
