@@ -113,6 +113,7 @@ def test_the_schema_names_the_shapes_and_engines_the_code_has():
     props = load_schema()["$defs"]["sections"]["model_step"]["properties"]
     assert props["shapes"]["items"]["enum"] == list(runners.MODEL_SHAPES)
     assert set(props["engines"]["items"]["enum"]) == {*runners.GPU_ENGINES, *runners.CPU_ENGINES}
+    assert props["engines"]["items"]["enum"] == list(table.RUNNERS)     # set at load from the runner table
 
 
 @pytest.mark.parametrize("section, message", [

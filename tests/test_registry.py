@@ -40,7 +40,7 @@ def test_every_configured_engine_is_registered():
 
     for section in (cfg, *(cfg.get(p, {}) for p in ("smoke",))):
         runners = set(section.get("model_step", {}).get("engines", []))
-        assert runners <= {*GPU_ENGINES, *CPU_ENGINES}, runners
+        assert runners <= {*GPU_ENGINES, *CPU_ENGINES} <= set(table.RUNNERS), runners
 
 
 def test_lists_derive_from_the_table():
@@ -52,6 +52,16 @@ def test_lists_derive_from_the_table():
     assert table.pkv_routes() == {"pkv-workqueue": "workqueue", "pkv-bucket": "bucket", "pkv-graph": "graph"}
     assert bench.PKV_ENGINES == tuple(table.pkv_engines())
     assert set(bench.BASELINES) == set(table.flashinfer()) | {"sdpa-repack"}
+    assert table.fp8_kernels() == ("pkv-graph", "flashinfer", "flashinfer-tc")
+    assert table.is_router("adaptive:objective=overlapped") and not table.is_router("flashinfer-graph")
+    # The model-step runners: the sets the measurement and the report read, as they were.
+    assert table.runners() == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference")
+    assert table.runners("gpu") == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive")
+    assert table.runners("cpu") == ("pkv-graph", "reference")
+    assert table.runners("fp8") == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "reference")
+    assert table.runners("ratio_base") == ("flashinfer-graph", "reference")
+    assert table.runners("check_base") == ("flashinfer-eager", "reference")
+    assert table.runners("routed") == ("adaptive",)
 
 
 def test_the_table_imports_no_torch():
@@ -133,6 +143,64 @@ def test_a_new_engine_is_one_row_and_a_module(tmp_path, monkeypatch):
     cache = PagedCache.random(shape, assign_pages(np.array([40]), 4, 0.0, 0))
     assert type(make_engine("my-engine", cache)).__name__ == "ReferenceEngine"
     assert host is not None
+
+
+NEW_RUNNER = """
+from pkv.engines.model import ReferenceRunner
+
+
+class MyRunner(ReferenceRunner):
+    name = "my-runner"
+"""
+
+
+def test_a_new_model_step_runner_is_one_row_and_a_module(tmp_path, monkeypatch):
+    """A row in RUNNERS and a class of its own: the schema's model_step.engines, the runner
+    set (build_runners) and the model step's report (its order, legend and ratio base) find it."""
+    import sys
+
+    import pandas as pd
+    import torch
+
+    from pkv.config.resolve import ConfigError, load_schema, validate_config
+    from pkv.core.harness import StepState
+    from pkv.engines import model
+    from pkv.measure import stages
+    from pkv.measure.model_runners import build_runners
+    from pkv.report import model as report
+
+    (tmp_path / "my_runner.py").write_text(NEW_RUNNER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_runner", None)
+    row = table.RunnerInfo("my runner", "my_runner:MyRunner", cpu=True, fp8=True, ratio_base=True)
+    monkeypatch.setitem(table.RUNNERS, "my-runner", row)
+
+    cfg = yaml.safe_load(open("config.yaml"))
+    cfg["model_step"]["engines"] = ["pkv-graph", "my-runner"]
+    validate_config(cfg, load_schema())                      # the schema takes its name
+    cfg["model_step"]["engines"] = ["my-runner2"]
+    with pytest.raises(ConfigError, match="model_step.engines"):
+        validate_config(cfg, load_schema())
+    assert table.runners("cpu")[-1] == table.runners("fp8")[-1] == "my-runner"
+
+    shape = model.MODEL_SHAPES["smoke"]
+    step = StepState(0, np.array([1, 0]), np.array([9, 30], dtype=np.int32))
+    caches = stages.layer_caches(shape.attention(4, "float16"), assign_pages(np.array([12, 40]), 4, 0.0, 0), "cpu",
+                                 7, shape.layers)
+    net = model.DecoderModel(shape, torch.float16, "cpu", 1)
+    xs = {2: torch.randn(2, shape.hidden).to(torch.float16)}
+    built = build_runners(["my-runner", "reference"], net, caches, xs, [2])    # the runner set makes it
+    assert type(built["my-runner"]).__name__ == "MyRunner"
+    outs = {}
+    for name, r in built.items():
+        r.prepare(step, 2)
+        outs[name] = r.launch(step, 2)
+    torch.testing.assert_close(outs["my-runner"], outs["reference"])
+
+    frame = pd.DataFrame({"engine": ["my-runner", "pkv-graph"]})     # the model step's report name lists
+    assert report.ratio_base(frame) == "my-runner" and report.engine_label("my-runner") == "my runner"
+    assert sorted(["my-runner", "reference", "pkv-graph"], key=report._engine_rank) == \
+        ["pkv-graph", "reference", "my-runner"]
 
 
 @pytest.mark.parametrize("seed", range(8))

@@ -24,6 +24,9 @@ def test_variants_cover_every_flashinfer_module_the_run_loads():
             assert (e, case.head_dim, case.kv_dtype) in built, case
     assert ("flashinfer-persistent", d, "auto") in built and ("pkv-graph", d, "auto") in built
     assert len(built) == len(warm.variants(PAPER))           # each once
+    # The variants derive from the engine table: the decode wrappers per head_dim, the rest at the serving shape.
+    assert warm.PER_HEAD_DIM == table.baselines() == ("flashinfer", "flashinfer-tc")
+    assert warm.SERVING_ONLY == ("flashinfer-persistent",)
 
 
 def test_without_cuda_it_records_that_nothing_was_built(tmp_path):

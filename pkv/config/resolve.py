@@ -205,14 +205,15 @@ SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "co
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     """The config schema, with the names only the code's tables know filled in: the engine
-    specs (pkv.engines.table) and the trace families (pkv.core.families), so a new engine or
-    family needs no schema edit."""
+    specs and the model-step runners (pkv.engines.table) and the trace families
+    (pkv.core.families), so a new engine, runner or family needs no schema edit."""
     from pkv.core.families import FAMILIES
-    from pkv.engines.table import spec_pattern
+    from pkv.engines.table import runners, spec_pattern
 
     schema = read_config_file(path)
     schema["$defs"]["engine"]["pattern"] = spec_pattern()
     schema["$defs"]["family"]["enum"] = list(FAMILIES)
+    schema["$defs"]["sections"]["model_step"]["properties"]["engines"]["items"]["enum"] = list(runners())
     return schema
 
 

@@ -13,6 +13,13 @@ from pkv.core.harness import StepState
 from pkv.core.paging import flashinfer_view
 from pkv.core.validate import check_kv
 
+WORKSPACE_BYTES = 128 << 20   # FlashInfer's recommended float workspace (128 MB)
+
+
+def workspace(device) -> torch.Tensor:
+    """A zeroed FlashInfer float workspace: one per engine or model-step runner."""
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
 
 def plan(wrapper, shape, indptr, indices, last_page_len, *, seq_lens=None, qo_indptr=None) -> None:
     """FlashInfer's plan() for one decode step, the one call of it in the project (the
@@ -58,7 +65,7 @@ class FlashInferEngine(Engine):
             raise ValueError(f"engine {name!r} needs flashinfer ({e})") from e
         self.name = name
         self.num_sms = num_sms(cache.device)
-        self._workspace = torch.zeros(128 * 1024 * 1024, dtype=torch.uint8, device=cache.device)
+        self._workspace = workspace(cache.device)
         self._qo_indptr = torch.arange(cache.assignment.num_requests + 1, dtype=torch.int32)
         self._views: dict[int, tuple] = {}
         if name == "flashinfer-persistent":

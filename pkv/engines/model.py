@@ -3,6 +3,9 @@ decode-attention engine, one runner per practice, all over the same weights and 
 per-layer KV caches (`caches[i]` is layer i's own KV tensor; every layer shares one page
 table and the step's lengths, as in a real model).
 
+The runners a config names are the rows of pkv.engines.table.RUNNERS, each naming its class
+(`Class.build` makes it).
+
 - `PkvGraphRunner` (pkv.measure.model_runners: the public API sits above engines): the
   API's DecodeWrapper per bucket; a step is one `update()` (block table rows and lengths,
   shared by every layer) and the replay of one CUDA graph holding the whole N-layer step,
@@ -26,13 +29,13 @@ import torch.nn.functional as F
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.core.shape import Shape
+from pkv.engines.table import runners
 
 RMS_EPS = 1e-5
-GPU_ENGINES = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive")   # flashinfer-eager: the baseline
-CPU_ENGINES = ("pkv-graph", "reference")
-# The runners that read an FP8 cache; `adaptive` does not (its v3 routes read 16-bit KV only),
-# so the model step's FP8 pass runs without it and says so.
-FP8_RUNNERS = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "reference")
+# The runner sets, from the one table of runners (pkv.engines.table.RUNNERS).
+GPU_ENGINES = runners("gpu")      # the paper profile's
+CPU_ENGINES = runners("cpu")      # the smoke profile's
+FP8_RUNNERS = runners("fp8")      # the FP8 pass runs these and names the others
 
 
 @dataclass(frozen=True)
@@ -155,6 +158,13 @@ class Runner:
         self.cache = caches[0]        # the page table, shape and device every layer shares
         self.scales = [kv_args(c) for c in caches]
         self.route = self.name
+
+    @classmethod
+    def build(cls, model: DecoderModel, caches: list[PagedCache], xs: dict[int, torch.Tensor], buckets: list[int],
+              constants=None, point: str = "") -> "Runner":
+        """The runner of a RUNNERS row (pkv.measure.model_runners.build_runners calls it); this
+        default needs only the model, caches and inputs."""
+        return cls(model, caches, xs)
 
     def capture(self, bucket: int, step: StepState) -> None:
         """Build what the bucket needs (a graph for graph runners) and warm it up."""

@@ -12,6 +12,7 @@ import torch
 from pkv.core.harness import StepState
 from pkv.core.paging import FlashInferView, PageAssignment, flashinfer_view
 from pkv.core.shape import Shape
+from pkv.engines.flashinfer import workspace as new_workspace
 from pkv.engines.model import GraphRunner, Runner
 
 
@@ -83,6 +84,11 @@ def _resolved(wrapper) -> str:
 class FlashInferGraphRunner(GraphRunner):
     name = "flashinfer-graph"
 
+    @classmethod
+    def build(cls, model, caches, xs, buckets, constants=None, point=""):
+        # One workspace per runner (the graph runner's per-bucket wrappers share it: they never run concurrently).
+        return cls(model, caches, xs, buckets, new_workspace(caches[0].device))
+
     def __init__(self, model, caches, xs, buckets, workspace):
         import flashinfer
 
@@ -109,6 +115,10 @@ class FlashInferGraphRunner(GraphRunner):
 
 class FlashInferEagerRunner(Runner):
     name = "flashinfer-eager"
+
+    @classmethod
+    def build(cls, model, caches, xs, buckets, constants=None, point=""):
+        return cls(model, caches, xs, buckets, new_workspace(caches[0].device))
 
     def __init__(self, model, caches, xs, buckets, workspace):
         import flashinfer

@@ -1,6 +1,8 @@
-"""The one table of engines. Every list of engines elsewhere (the config schema's names,
-the CLI's choices, the benchmarks' defaults, the reports' name lists) derives from
-`ENGINES` when it is used, so a new engine is one row here plus its module.
+"""The one table of engines, and beside it the one table of model-step runners. Every list
+of engines elsewhere (the config schema's names, the CLI's choices, the benchmarks'
+defaults, the reports' name lists) derives from `ENGINES` when it is used, so a new engine
+is one row here plus its module; likewise a new model-step runner is one row of `RUNNERS`
+(the schema's model_step.engines, the runner set, the model-step report's order and labels).
 
 Torch-free: the report, the Snakefile's parse step and the schema check read this table
 without importing torch. `module` names the module whose `build(name, info, cache,
@@ -111,6 +113,58 @@ def deployable() -> tuple[str, ...]:
 
 def cpu_engines() -> tuple[str, ...]:
     return tuple(n for n, e in ENGINES.items() if e.cpu)
+
+
+def fp8_kernels() -> tuple[str, ...]:
+    """The FP8 readers with a CUDA kernel (the FP8 kernel benchmark's engines): all but the reference."""
+    return tuple(n for n in fp8_readers() if ENGINES[n].family != "reference")
+
+
+def is_router(spec: str) -> bool:
+    """Whether an engine label ("adaptive", "adaptive:objective=overlapped") is the router's
+    family; a label of no engine (a model-step runner, an old name) is not."""
+    e = ENGINES.get(spec.partition(":")[0])
+    return e is not None and e.family == "adaptive"
+
+
+# ---------------------------------------------------------------- the model-step runners
+# A runner is one practice of running decode attention inside N decoder layers (pkv measure
+# model-step, pkv.engines.model). Its names are not engine specs: FlashInfer's two
+# practices are runners of no engine row. Table order is the report's row and colour order.
+
+
+@dataclass(frozen=True)
+class RunnerInfo:
+    label: str                # the model-step figure's legend
+    runner: str               # "module:Class"; Class.build(model, caches, xs, buckets, constants, point) makes it
+    gpu: bool = False         # in the paper profile's set (a CUDA device)
+    cpu: bool = False         # in the smoke profile's set (a CPU cache)
+    fp8: bool = False         # reads an FP8 cache (the FP8 pass runs only these, and names the others)
+    ratio_base: bool = False  # the report's ratios are over the first present of these
+    check_base: bool = False  # the correctness baseline: the first present of these
+    routed: bool = False      # the router: built per bucket, from the frozen constants at its operating point
+    package: str = ""         # a package it needs beyond torch, checked before any runner is built
+
+
+RUNNERS: dict[str, RunnerInfo] = {
+    "pkv-graph": RunnerInfo("pkv-graph (no host plan)", "pkv.measure.model_runners:PkvGraphRunner", gpu=True,
+                            cpu=True, fp8=True),
+    "flashinfer-graph": RunnerInfo("FlashInfer graph path (plan() + replay)",
+                                   "pkv.engines.model_flashinfer:FlashInferGraphRunner", gpu=True, fp8=True,
+                                   ratio_base=True, package="flashinfer"),
+    "flashinfer-eager": RunnerInfo("FlashInfer eager", "pkv.engines.model_flashinfer:FlashInferEagerRunner",
+                                   gpu=True, fp8=True, check_base=True, package="flashinfer"),
+    # not fp8: its v3 routes read 16-bit KV only
+    "adaptive": RunnerInfo("adaptive route", "pkv.measure.model_runners:AdaptiveRunner", gpu=True, routed=True),
+    "reference": RunnerInfo("FP32 reference (CPU)", "pkv.engines.model:ReferenceRunner", cpu=True, fp8=True,
+                            ratio_base=True, check_base=True),
+}
+
+
+def runners(flag: str = "") -> tuple[str, ...]:
+    """Model-step runner names in table order: those whose field `flag` is set ("gpu",
+    "cpu", "fp8", "ratio_base", ...), or every one."""
+    return tuple(n for n, r in RUNNERS.items() if not flag or getattr(r, flag))
 
 
 # One engine-spec syntax everywhere (config lists, --engines, Parquet labels):

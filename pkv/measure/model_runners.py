@@ -1,18 +1,19 @@
 """The model step's runner set (pkv measure model-step): pkv-graph through the public decode
-API, and `build_runners`, which names every runner of pkv.engines.model and
-pkv.engines.model_flashinfer. pkv-graph's runner lives here, not with the others, because
-the public API (pkv.api) sits above pkv.engines in the package's layering.
+API, the router's runner, and `build_runners`, which makes the runners a config names
+from their rows of pkv.engines.table.RUNNERS. pkv-graph's runner lives here, not with the
+others, because the public API (pkv.api) sits above pkv.engines in the package's layering.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 
 import numpy as np
-import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines.model import GPU_ENGINES, EngineRunner, GraphRunner, ReferenceRunner, Runner
+from pkv.engines.model import EngineRunner, GraphRunner, Runner
+from pkv.engines.table import RUNNERS, runners
 from pkv.plan.costmodel import GRAPH
 
 
@@ -21,6 +22,10 @@ class PkvGraphRunner(GraphRunner):
     cut of the work, is the bucket's); update() once a step, run(q, layer's KV) per layer."""
 
     name = "pkv-graph"
+
+    @classmethod
+    def build(cls, model, caches, xs, buckets, constants=None, point=""):
+        return cls(model, caches, xs, buckets)
 
     def __init__(self, model, caches, xs, buckets):
         from pkv.api import DecodeWrapper
@@ -49,6 +54,14 @@ class AdaptiveRunner(Runner):
     over the layers eagerly (an EngineRunner over the adaptive engine)."""
 
     name = "adaptive"
+
+    @classmethod
+    def build(cls, model, caches, xs, buckets, constants=None, point=""):
+        from pkv.engines import make_engine
+
+        if constants is None:
+            raise ValueError(f"engine {cls.name} needs the frozen constants (--constants)")
+        return cls(make_engine(cls.name, caches[0], constants=constants, point=point), model, caches, xs, buckets)
 
     def __init__(self, engine, model, caches, xs, buckets):
         super().__init__(model, caches, xs)
@@ -85,31 +98,16 @@ class AdaptiveRunner(Runner):
 
 def build_runners(names: list[str], model, caches: list[PagedCache], xs, buckets, *, constants=None,
                   point: str = "") -> dict[str, Runner]:
-    from pkv.engines import make_engine
-    from pkv.engines.model_flashinfer import FlashInferEagerRunner, FlashInferGraphRunner
-
-    wants = [n for n in names if n.startswith("flashinfer")]
-    if wants and importlib.util.find_spec("flashinfer") is None:
-        raise ValueError(f"engines {wants} need flashinfer (pip install -e '.[gpu]')")
-
-    runners = {}
+    """The runners `names` (rows of pkv.engines.table.RUNNERS), each made by its row's class."""
+    unknown = [n for n in names if n not in RUNNERS]
+    if unknown:
+        raise ValueError(f"unknown model-step engine {unknown[0]!r}; choose from {runners()}")
+    for package in sorted({RUNNERS[n].package for n in names} - {""}):
+        wants = [n for n in names if RUNNERS[n].package == package]
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(f"engines {wants} need {package} (pip install -e '.[gpu]')")
+    out = {}
     for name in names:
-        # FlashInfer's recommended 128 MB float workspace, zeroed, one per runner (the graph
-        # runner's per-bucket wrappers share it: they never run concurrently).
-        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=caches[0].device) if name in wants else None
-        if name == "pkv-graph":
-            runners[name] = PkvGraphRunner(model, caches, xs, buckets)
-        elif name == "flashinfer-graph":
-            runners[name] = FlashInferGraphRunner(model, caches, xs, buckets, workspace)
-        elif name == "flashinfer-eager":
-            runners[name] = FlashInferEagerRunner(model, caches, xs, buckets, workspace)
-        elif name == "adaptive":
-            if constants is None:
-                raise ValueError("engine adaptive needs the frozen constants (--constants)")
-            engine = make_engine("adaptive", caches[0], constants=constants, point=point)
-            runners[name] = AdaptiveRunner(engine, model, caches, xs, buckets)
-        elif name == "reference":
-            runners[name] = ReferenceRunner(model, caches, xs)
-        else:
-            raise ValueError(f"unknown model-step engine {name!r}; choose from {GPU_ENGINES + ('reference',)}")
-    return runners
+        module, _, cls = RUNNERS[name].runner.partition(":")
+        out[name] = getattr(importlib.import_module(module), cls).build(model, caches, xs, buckets, constants, point)
+    return out

@@ -49,7 +49,8 @@ from pkv.config.resolve import device_of, point_key
 from pkv.config.typed import Config
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
-from pkv.engines.model import FP8_RUNNERS, DecoderModel, Runner, step_input
+from pkv.engines import table
+from pkv.engines.model import DecoderModel, Runner, step_input
 from pkv.measure.model_plan import (Plan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps, kv_bytes,
                                     settings, spread_steps)
 from pkv.measure.model_runners import build_runners
@@ -59,7 +60,6 @@ from pkv.measure.timing import StepClock
 # Relative Frobenius error of the final hidden state against the baseline engine.
 TOLERANCE = {"float16": 1e-2, "bfloat16": 4e-2, "float32": 1e-4}
 FP8_TOLERANCE = 0.1           # an FP8 row against the 16-bit baseline: catches a wrong kernel, not rounding
-BASELINES = ("flashinfer-eager", "reference")    # the first present is the correctness baseline
 
 COLUMNS = {
     "stage": "string", "model": "string", "layers": "int32", "hidden": "int32", "head_dim": "int32",
@@ -96,7 +96,7 @@ def measure_job(plan: Plan, model: DecoderModel, caches: list[PagedCache], job: 
     ms, s = model.shape, caches[0].shape
     labels = list(runners)
     fp8 = s.fp8
-    baseline = next((b for b in BASELINES if b in runners), None)
+    baseline = next((b for b in table.runners("check_base") if b in runners), None)   # the first present
     tol = FP8_TOLERANCE if fp8 else TOLERANCE[s.dtype]
     buckets = [bucket_of(st.active, plan.buckets) for st in steps]
     base = {"stage": "model_step", "model": ms.name, "layers": ms.layers, "hidden": ms.hidden,
@@ -207,25 +207,26 @@ def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, clock: StepCloc
         if kv_dtype == "fp8":
             for i, c in enumerate(caches):   # in place: one 16-bit layer more at the peak, not N
                 caches[i] = c.quantized("tensor")
-            engines = [e for e in engines if e in FP8_RUNNERS]
+            engines = [e for e in engines if e in table.runners("fp8")]
             for e in sorted(set(plan.engines) - set(engines)):
                 dropped.setdefault(f"{e}/fp8", "reads no FP8 KV cache (its routes read 16-bit KV): not in the FP8 rows")
         tag = "" if kv_dtype == "auto" else f"/{kv_dtype}"
-        shared = build_runners([e for e in engines if e != "adaptive"], model, caches, xs, sorted(first))
+        routed = [e for e in engines if e in table.runners("routed")]   # built per bucket, at its operating point
+        shared = build_runners([e for e in engines if e not in routed], model, caches, xs, sorted(first))
         try:
             _warm(shared, first, dropped, log, tag)
             for b in plan.buckets:
-                runners = dict(shared)
-                if "adaptive" in engines:
+                made = dict(shared)
+                if routed:
                     point = adaptive_point(plan.constants, job.family, b, fallback)
-                    adaptive = build_runners(["adaptive"], model, caches, xs, sorted(first), constants=plan.constants,
-                                             point=point)
-                    _warm(adaptive, first_steps([step_sets[b]], plan.buckets), dropped, log, tag)
-                    runners.update(adaptive)
-                runners = {e: runners[e] for e in engines if e in runners}
+                    per_bucket = build_runners(routed, model, caches, xs, sorted(first), constants=plan.constants,
+                                               point=point)
+                    _warm(per_bucket, first_steps([step_sets[b]], plan.buckets), dropped, log, tag)
+                    made.update(per_bucket)
+                made = {e: made[e] for e in engines if e in made}
                 t0 = time.monotonic()
-                rows += measure_job(plan, model, caches, job, b, step_sets[b], runners, xs, clock, refs)
-                log(f"model_step {ms.name} {job.name} {kv_dtype} B{b}: {len(step_sets[b])} steps x {len(runners)} "
+                rows += measure_job(plan, model, caches, job, b, step_sets[b], made, xs, clock, refs)
+                log(f"model_step {ms.name} {job.name} {kv_dtype} B{b}: {len(step_sets[b])} steps x {len(made)} "
                     f"engines in {time.monotonic() - t0:.1f} s (total {time.monotonic() - start:.0f} s)")
         finally:
             for r in shared.values():

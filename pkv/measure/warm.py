@@ -19,12 +19,14 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
+from pkv.engines import table
+
 # The FlashInfer variants the pipeline's stages construct: the decode wrappers at every
 # head_dim of the config and of the kernel sweep's suites on a 16-bit cache, and at the
 # serving head_dim on an FP8 one; the persistent kernel at the serving shape (Table 2).
 SWEEP_HEAD_DIMS = (64, 128, 256)       # pkv.bench.kernels' `shapes` suite
-PER_HEAD_DIM = ("flashinfer", "flashinfer-tc")
-SERVING_ONLY = ("flashinfer-persistent",)
+PER_HEAD_DIM = table.baselines()       # the decode wrappers, which the sweep runs at every head_dim
+SERVING_ONLY = tuple(e for e in table.flashinfer() if e not in PER_HEAD_DIM)   # the persistent kernel
 
 
 def variants(cfg: dict) -> list[tuple[str, int, str, str]]:

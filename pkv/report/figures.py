@@ -20,6 +20,8 @@ import seaborn as sns  # noqa: E402
 
 from pkv.report import ratios as rep  # noqa: E402
 from pkv.config.resolve import SMOKE_BANNER  # noqa: E402
+from pkv.core.units import K  # noqa: E402
+from pkv.engines import table  # noqa: E402
 from pkv.report.spec import FIGURE_SPECS  # noqa: E402
 
 TIMING_LABELS = {"wall": "wall (synchronized step)", "cuda": "CUDA events", "graph": "CUDA-graph replay"}
@@ -35,9 +37,9 @@ def plain_number(v: float, _pos=None) -> str:
 
 def tokens_label(v: float, _pos=None) -> str:
     """A token-count tick label: 256, 1K, 4K, 1M."""
-    if v >= 2 ** 20:
-        return f"{v / 2 ** 20:.3g}M"
-    return f"{v / 1024:.3g}K" if v >= 1024 else f"{v:.3g}"
+    if v >= K * K:
+        return f"{v / (K * K):.3g}M"
+    return f"{v / K:.3g}K" if v >= K else f"{v:.3g}"
 
 
 def log10_ticks(lo: float, hi: float) -> list[float]:
@@ -128,7 +130,7 @@ def serving_engines(frame: pd.DataFrame) -> list[str]:
 
 def _engine_label(engine: str) -> str:
     """A panel's name: `adaptive route`, `adaptive route · objective=overlapped`, `pkv-graph`."""
-    return rep.router_label("adaptive route", engine) if engine.partition(":")[0] == "adaptive" else engine
+    return rep.router_label("adaptive route", engine) if table.is_router(engine) else engine
 
 
 def serving_ratios_figure(frame: pd.DataFrame, smoke: bool):

@@ -31,11 +31,10 @@ from tabulate import tabulate
 from pkv.report.notes import provenance_of
 from pkv.core.io import atomic_write_bytes, atomic_write_text, read_meta
 from pkv.config.resolve import SMOKE_BANNER
+from pkv.engines.table import RUNNERS, runners
 from pkv.report.ratios import mean_sd, modal_route, num
 
 STAGE = "model_step"
-RATIO_BASES = ("flashinfer-graph", "reference")   # the first present is the ratio's denominator
-ENGINE_ORDER = ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference")
 TITLE = "Model-level decode step: N layers, one CUDA graph per batch bucket"
 KEYS = ["model", "bucket", "family"]   # a synthetic trace is (family, seed); seeds aggregate
 KV_LABEL = {"auto": "16-bit", "fp8": "fp8"}
@@ -59,7 +58,8 @@ def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
 
 def ratio_base(frame: pd.DataFrame) -> str:
     present = set(frame["engine"])
-    return next((b for b in RATIO_BASES if b in present), sorted(present)[0])
+    """The ratio's denominator: the first present of the runners marked ratio_base (pkv.engines.table.RUNNERS)."""
+    return next((b for b in runners("ratio_base") if b in present), sorted(present)[0])
 
 
 def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
@@ -99,7 +99,9 @@ def _trace_label(family: str) -> str:
 
 
 def _engine_rank(engine: str) -> int:
-    return ENGINE_ORDER.index(engine) if engine in ENGINE_ORDER else len(ENGINE_ORDER)
+    """Rows, colours and markers in the runner table's order (a name of no row last)."""
+    order = runners()
+    return order.index(engine) if engine in order else len(order)
 
 
 def table(frame: pd.DataFrame) -> pd.DataFrame:
@@ -200,9 +202,12 @@ def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
     return f"# {TITLE}\n\n{banner}{caption}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
 
 
-ENGINE_LABEL = {"pkv-graph": "pkv-graph (no host plan)", "flashinfer-graph": "FlashInfer graph path (plan() + replay)",
-                "flashinfer-eager": "FlashInfer eager", "adaptive": "adaptive route", "reference": "FP32 reference (CPU)"}
 MARKERS = "osD^vP"
+
+
+def engine_label(engine: str) -> str:
+    """The figure's legend name of a runner (its RUNNERS row's label; a name of no row as it is)."""
+    return RUNNERS[engine].label if engine in RUNNERS else engine
 
 
 def step_medians(frame: pd.DataFrame) -> pd.DataFrame:
@@ -259,7 +264,7 @@ def model_step_figure(frame: pd.DataFrame, smoke: bool):
                 if not e.empty:
                     color, marker = style[engine]
                     ax.plot(e["tokens"], e["wall_ms"], marker=marker, markersize=4, linewidth=1.4, color=color,
-                            label=ENGINE_LABEL.get(engine, engine))
+                            label=engine_label(engine))
             if cell["wall_ms"].isna().all():
                 ax.text(0.5, 0.5, "no steps in this bucket", ha="center", va="center", transform=ax.transAxes,
                         fontsize=8, color="gray")

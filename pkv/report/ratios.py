@@ -47,10 +47,10 @@ def ratios(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def routers(frame: pd.DataFrame) -> list[str]:
-    """The adaptive engines' labels in `frame` ("adaptive", "adaptive:objective=overlapped",
-    ...), the plain one first."""
-    labels = {e for e in frame["engine"].unique() if e.partition(":")[0] == "adaptive"}
-    return sorted(labels, key=lambda e: (e != "adaptive", e))
+    """The router engines' labels in `frame` ("adaptive", "adaptive:objective=overlapped",
+    ...; the table's family "adaptive"), the plain spec first."""
+    labels = {e for e in frame["engine"].unique() if table.is_router(e)}
+    return sorted(labels, key=lambda e: (":" in e, e))
 
 
 def objective(router: str) -> str:

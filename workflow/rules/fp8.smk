@@ -4,6 +4,11 @@
 # targets, not part of `all`: `snakemake --cores 1 results/tables/fp8_kernels.md` (and
 # fp8_accuracy.md, fp8_serving.md). Paper profile: the FP8 kernels need a GPU.
 
+from pkv.engines.table import fp8_kernels
+
+# pkv-graph against FlashInfer's FP8 decode: every FP8 reader with a CUDA kernel (the engine table).
+FP8_KERNEL_ENGINES = " ".join(fp8_kernels())
+
 
 rule bench_fp8_kernels:
     """FP8 KV kernels: pkv-graph over an e4m3 cache against FlashInfer's FP8 and 16-bit decode (GPU only)."""
@@ -18,7 +23,7 @@ rule bench_fp8_kernels:
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli bench kernels --suites fp8 --engines pkv-graph flashinfer flashinfer-tc "
+        "python3 -m pkv.cli bench kernels --suites fp8 --engines " + FP8_KERNEL_ENGINES + " "
         "--out {output.parquet:q} > {log:q} 2>&1"
 
 
