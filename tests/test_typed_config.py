@@ -125,3 +125,18 @@ def test_a_partial_kv_fp8_section_is_named_and_a_smoke_patch_of_it_is_fine():
     del cfg["ablations"]["kv_fp8"]["family"]
     with pytest.raises(ConfigError, match=r"^config: ablations\.kv_fp8\.family: missing key$"):
         Config.from_dict(effective(cfg, "paper"))
+
+
+def test_the_trace_families_come_from_their_table(monkeypatch):
+    """traces.<family> in the schema (all required) and in the typed config are the family
+    table's rows; a family added there is a key the schema takes, with no schema edit."""
+    from pkv.config import resolve
+    from pkv.core import families
+
+    assert list(SCHEMA["$defs"]["sections"]["traces"]["properties"]) == list(families.FAMILIES)
+    assert SCHEMA["properties"]["traces"]["required"] == list(families.FAMILIES)
+    assert [f.name for f in dataclasses.fields(typed.Traces)] == list(families.FAMILIES)
+    monkeypatch.setitem(families.FAMILIES, "newfam", "a test family")
+    schema = resolve.load_schema()
+    assert "newfam" in schema["$defs"]["sections"]["traces"]["properties"]
+    assert "newfam" in schema["properties"]["traces"]["required"] and "newfam" in schema["$defs"]["family"]["enum"]

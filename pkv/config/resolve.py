@@ -213,6 +213,9 @@ def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     schema = read_config_file(path)
     schema["$defs"]["engine"]["pattern"] = spec_pattern()
     schema["$defs"]["family"]["enum"] = list(FAMILIES)
+    # Every family has its trace sizes under traces.<family> (all required, no other key).
+    schema["$defs"]["sections"]["traces"]["properties"] = {f: {"$ref": "#/$defs/trace_size"} for f in FAMILIES}
+    schema["properties"]["traces"]["required"] = list(FAMILIES)
     schema["$defs"]["sections"]["model_step"]["properties"]["engines"]["items"]["enum"] = list(runners())
     return schema
 

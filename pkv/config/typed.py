@@ -26,6 +26,7 @@ from typing import Mapping, Optional
 
 from pkv.config.resolve import ConfigError
 from pkv.config.stages import external_identity
+from pkv.core.families import FAMILIES
 
 
 @dataclass(frozen=True)
@@ -76,18 +77,16 @@ class TraceSize:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-@dataclass(frozen=True)
-class Traces:
-    bucketed: TraceSize
-    homogeneous: TraceSize
-    bimodal: TraceSize
-    uniform: TraceSize
-    zipf: TraceSize
+def _family_size(self, family: str) -> TraceSize:
+    if family not in _field_names(Traces):
+        raise KeyError(family)
+    return getattr(self, family)
 
-    def __getitem__(self, family: str) -> TraceSize:
-        if family not in _field_names(Traces):
-            raise KeyError(family)
-        return getattr(self, family)
+
+# One field per trace family, from the family table (a new family is a row there, not a
+# field here): traces.zipf and traces["zipf"] alike.
+Traces = dataclasses.make_dataclass("Traces", [(f, TraceSize) for f in FAMILIES], frozen=True,
+                                    namespace={"__getitem__": _family_size, "__module__": __name__})
 
 
 @dataclass(frozen=True)
