@@ -20,6 +20,7 @@ from pkv.core.harness import StepState
 from pkv.core.shape import Shape
 from pkv.core.traces import Trace
 from pkv.engines.model import CPU_ENGINES, GPU_ENGINES, MODEL_SHAPES, ModelShape
+from pkv.engines.table import runners
 
 # The section's defaults per profile: a config without `model_step` (or without one of
 # its keys) runs these. Paper: today's shapes (llama-1b, llama-8b) and the 70B-like GQA-8
@@ -74,7 +75,7 @@ def build_plan(cfg: Config, traces: list[TraceJob], constants=None) -> Plan:
         raise ConfigError("model_step.kv_dtypes: the 16-bit cache ('auto') comes first (FP8's accuracy is "
                           "measured against it)")
     return Plan(cfg, [MODEL_SHAPES[n] for n in s.shapes], sorted(s.buckets), traces, s.steps, list(s.engines),
-                s.repeats, list(s.kv_dtypes), constants if "adaptive" in s.engines else None)
+                s.repeats, list(s.kv_dtypes), constants if any(e in runners("routed") for e in s.engines) else None)
 
 
 # ---------------------------------------------------------------- buckets and steps
