@@ -2,8 +2,9 @@
 
 Every layout is read in place through strided views (separate K and V allocations too),
 options (scale, soft cap, LSE, out=, FP8 scales per call) on both the direct-write and
-the merged paths (short and long rows), and the serving shape: one wrapper, 4 layers
-with their own vLLM-layout KV, one CUDA graph replayed over a ragged trace. Outputs are
+the merged paths (short and long rows), and the serving shape: a wrapper per bucket, 4
+layers with their own vLLM-layout KV and options, one upload per step, one CUDA graph per
+bucket replayed over a ragged trace. Outputs are
 poisoned with NaN first; rows of length 0 must stay untouched. (The CPU twin is
 tests/test_api.py; this file has its own basename so both collect.)
 """
@@ -17,6 +18,7 @@ import torch
 from pkv.api import DecodeWrapper, decode
 from pkv.core.fp8 import quantize
 from pkv.kernels.reference import attention_reference
+from pkv.core.units import K
 from api_cases import in_layout, make_case
 from test_kernels import check, seed_of
 
@@ -24,7 +26,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-K = 1024
 LENS = [1, 17, 0, 300, 9 * K + 5, 40 * K]   # direct rows, a padding row, and rows the kernel splits and merges
 LSE_TOL = 2e-3
 
@@ -91,59 +92,80 @@ def test_head_dims_groups_pages(head_dim, group, page):
     compare(out, ref, LENS, "bfloat16", f"d{head_dim} G{group} P{page}")
 
 
+# Each layer of the serving test calls run() with its own options, inside the captured graph.
+LAYER_OPTIONS = [{}, {"return_lse": True}, {"sm_scale": 0.05, "logits_soft_cap": 20.0}, {"sm_scale": 0.1}]
+
+
 def test_serving_step_in_one_cuda_graph():
-    """One wrapper (bucket 8), 4 layers with their own KV in vLLM's layout, one update per step,
-    one captured graph of the 4 layers' decode, replayed over a ragged trace."""
-    layers, bucket, hkv, d, p, hq = 4, 8, 4, 128, 16, 16
+    """A wrapper per bucket (2, 4, 8), each with one captured graph of 4 layers' decode (each
+    layer its own KV in vLLM's layout and its own options: LSE, scale, soft cap), one metadata
+    upload per step shared by the layers, replayed over a ragged trace whose steps take the
+    smallest bucket that fits."""
+    layers, hkv, d, p, hq = len(LAYER_OPTIONS), 4, 128, 16, 16
     rng = np.random.default_rng(seed_of("api-serving"))
     num_pages, width = 1400, 12 * K // p
     gen = torch.Generator(device="cuda").manual_seed(7)
     kvs = [torch.randn(2, num_pages, p, hkv, d, generator=gen, device="cuda").half() for _ in range(layers)]
     ours = [kv.transpose(0, 1).transpose(2, 3) for kv in kvs]   # [pages, 2, Hkv, P, D] views for the reference
-    wrapper = DecodeWrapper(bucket, width, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=p, layout="vllm",
-                            device="cuda")
-    qs = torch.randn(layers, bucket, hq, d, generator=gen, device="cuda").half()
-    outs = torch.empty_like(qs)
+    buckets = {}
+    for bucket in (2, 4, 8):
+        w = DecodeWrapper(bucket, width, num_qo_heads=hq, num_kv_heads=hkv, head_dim=d, page_size=p,
+                          layout="vllm", device="cuda")
+        qs = torch.randn(layers, bucket, hq, d, generator=gen, device="cuda").half()
+        buckets[bucket] = {"wrapper": w, "qs": qs, "outs": torch.empty_like(qs)}
+    uploads = []
+    for c in buckets.values():
+        real = c["wrapper"]._staging.send   # every host-to-device copy of update() goes through send()
+        c["wrapper"]._staging.send = lambda total, out=None, real=real: uploads.append(1) or real(total, out=out)
 
-    def step_body():
-        for i in range(layers):
-            wrapper.run(qs[i], kvs[i], out=outs[i])
-        return wrapper.run(qs[1], kvs[1], out=outs[1], return_lse=True)[1]   # an LSE allocated in the graph too
+    def step_body(c):
+        lse = None
+        for i, options in enumerate(LAYER_OPTIONS):
+            got = c["wrapper"].run(c["qs"][i], kvs[i], out=c["outs"][i], **options)
+            lse = got[1] if options.get("return_lse") else lse   # an LSE allocated in the graph
+        return lse
 
     def trace_step(t):
-        b = 1 if t == 2 else bucket if t == 4 else int(rng.integers(1, bucket + 1))
+        b = [1, 2, 3, 8, 5, 4, 7, 2, 6, 1, 8, 3][t]
         lens = rng.integers(1, 12 * K, size=b)
         if t % 3 == 0:
             lens = rng.choice([1, 15, 16, 17, 33, 1024, 1025, 12 * K], size=b)
         table = np.stack([rng.choice(num_pages, size=width, replace=False) for _ in range(b)]).astype(np.int32)
         return lens.astype(np.int32), table
 
-    lens, table = trace_step(0)
-    wrapper.update(table, lens)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step_body()   # warm-up (loads the kernels) off the capture
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        lse_out = step_body()
-    for t in range(10):
-        lens, table = trace_step(t)
-        wrapper.update(table, lens)   # the step's one metadata upload, for every layer
-        qs.copy_(torch.randn(layers, bucket, hq, d, generator=gen, device="cuda").half())
-        outs.fill_(float("nan"))
-        graph.replay()
+    for bucket, c in buckets.items():   # warm-up off the capture (loads the kernels), then capture
+        lens, table = trace_step(0)
+        c["wrapper"].update(table[:bucket], lens[:bucket])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step_body(c)
+        torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        c["graph"] = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(c["graph"]):
+            c["lse"] = step_body(c)
+    for t in range(12):
+        lens, table = trace_step(t)
         b = len(lens)
+        bucket = min(k for k in buckets if k >= b)
+        c = buckets[bucket]
+        before = len(uploads)
+        c["wrapper"].update(table, lens)   # the step's one metadata upload, for every layer
+        assert len(uploads) - before == 1, "one metadata upload per step, shared by every layer"
+        c["qs"].copy_(torch.randn(layers, bucket, hq, d, generator=gen, device="cuda").half())
+        c["outs"].fill_(float("nan"))
+        c["graph"].replay()
+        torch.cuda.synchronize()
         bt, sl = torch.as_tensor(table, device="cuda"), torch.as_tensor(lens)
-        for i in range(layers):
-            ref, ref_lse = attention_reference(qs[i, :b], ours[i], bt, sl, return_lse=True)
-            check(outs[i, :b], ref, "float16", f"step {t} layer {i}")
-            assert torch.isnan(outs[i, b:]).all(), f"step {t} layer {i}: a padding row was written"
-            if i == 1:
-                assert (lse_out[:b] - ref_lse).abs().max().item() < LSE_TOL, f"step {t}: lse"
+        for i, options in enumerate(LAYER_OPTIONS):
+            ref, ref_lse = attention_reference(c["qs"][i, :b], ours[i], bt, sl, sm_scale=options.get("sm_scale"),
+                                               soft_cap=options.get("logits_soft_cap", 0.0), return_lse=True)
+            check(c["outs"][i, :b], ref, "float16", f"step {t} B{bucket} layer {i}")
+            assert torch.isnan(c["outs"][i, b:]).all(), f"step {t} layer {i}: a padding row was written"
+            if options.get("return_lse"):
+                err = (c["lse"][:b] - ref_lse).abs().max().item()
+                assert err < LSE_TOL, f"step {t} B{bucket}: lse max|e| {err:.2e}"
 
 
 def test_compiled_module_on_the_gpu():
