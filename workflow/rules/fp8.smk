@@ -6,9 +6,6 @@
 
 from pkv.engines.table import fp8_kernels
 
-# pkv-graph against FlashInfer's FP8 decode: every FP8 reader with a CUDA kernel (the engine table).
-FP8_KERNEL_ENGINES = " ".join(fp8_kernels())
-
 
 rule bench_fp8_kernels:
     """FP8 KV kernels: pkv-graph over an e4m3 cache against FlashInfer's FP8 and 16-bit decode (GPU only)."""
@@ -18,12 +15,15 @@ rule bench_fp8_kernels:
         out("logs/kernels/fp8.log"),
     benchmark:
         out("benchmarks/kernels/fp8.tsv")
+    params:
+        # pkv-graph against FlashInfer's FP8 decode: every FP8 reader with a CUDA kernel (the engine table)
+        engines=list(fp8_kernels()),
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli bench kernels --suites fp8 --engines " + FP8_KERNEL_ENGINES + " "
+        "python3 -m pkv.cli bench kernels --suites fp8 --engines {params.engines:q} "
         "--out {output.parquet:q} > {log:q} 2>&1"
 
 
