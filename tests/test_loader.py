@@ -51,3 +51,16 @@ def test_no_library_is_built(gpu, capsys):
     loader.ops.__wrapped__()
     assert calls == [("build", so.stem)]
     assert "building the CUDA kernels for sm_90" in capsys.readouterr().err
+
+
+def test_the_build_key_follows_torch_cuda_and_the_toolkit(monkeypatch, tmp_path):
+    key = loader.source_hash((9, 0))
+    monkeypatch.setattr(torch, "__version__", "0.0.0-other")
+    assert loader.source_hash((9, 0)) != key
+    monkeypatch.undo()
+    (tmp_path / "version.json").write_text('{"cuda": {"version": "99.1.0"}}')
+    monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", str(tmp_path))
+    assert loader.toolkit_version() == "99.1.0" and loader.source_hash((9, 0)) != key
+    monkeypatch.setattr(torch.utils.cpp_extension, "CUDA_HOME", None)   # no toolkit found: still a key
+    assert loader.toolkit_version() == ""
+

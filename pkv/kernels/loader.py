@@ -11,6 +11,7 @@ The ops land in torch.ops.pkv (decode, merge, graph_decode, graph_decode_paged, 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shlex
 import sys
@@ -46,9 +47,22 @@ def extra_flags() -> list[str]:
     return shlex.split(os.environ.get("PKV_NVCC_FLAGS", ""))
 
 
+def toolkit_version() -> str:
+    """The version of the CUDA toolkit nvcc builds with (CUDA_HOME's version.json; "" if none is
+    found): another nvcc under the same torch makes other code, so it is part of the key."""
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    try:
+        return json.loads((Path(CUDA_HOME) / "version.json").read_text())["cuda"]["version"]
+    except (TypeError, OSError, ValueError, KeyError):
+        return ""
+
+
 def source_hash(capability: tuple[int, int]) -> str:
-    """The build key: sources, GPU, build knobs, and the torch and CUDA versions (the extension's ABI)."""
-    h = hashlib.sha256(repr((capability, extra_flags(), torch.__version__, torch.version.cuda)).encode())
+    """The build key: sources, GPU, build knobs, the torch version and its CUDA (the extension's
+    ABI), and the toolkit nvcc comes from."""
+    h = hashlib.sha256(repr((capability, extra_flags(), torch.__version__, torch.version.cuda,
+                             toolkit_version())).encode())
     csrc = csrc_dir()
     for name in SOURCES + HEADERS:
         h.update(name.encode())
