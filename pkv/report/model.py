@@ -57,8 +57,8 @@ def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
 
 
 def ratio_base(frame: pd.DataFrame) -> str:
-    present = set(frame["engine"])
     """The ratio's denominator: the first present of the runners marked ratio_base (pkv.engines.table.RUNNERS)."""
+    present = set(frame["engine"])
     return next((b for b in runners("ratio_base") if b in present), sorted(present)[0])
 
 
