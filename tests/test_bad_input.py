@@ -499,6 +499,28 @@ def test_a_full_disk_names_the_path(tmp_path, monkeypatch):
     assert list((tmp_path / "tables").iterdir()) == []   # no temp file left behind
 
 
+def test_a_rename_that_fails_midway_puts_back_what_was_replaced(tmp_path, monkeypatch):
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    a, b, c = tables / "a.md", tables / "b.md", tables / "c.md"
+    a.write_text("old a")
+    b.write_text("old b")
+    real, calls = os.replace, []
+
+    def fails_third(src, dst):
+        calls.append(dst)
+        if len(calls) == 3:
+            raise OSError(5, "Input/output error")
+        return real(src, dst)
+
+    monkeypatch.setattr(io.os, "replace", fails_third)
+    with pytest.raises(OSError, match=re.escape(f"{c}: cannot write (Input/output error)")):
+        io.atomic_write_many({a: b"new a", b: b"new b", c: b"new c"})
+    monkeypatch.undo()
+    assert (a.read_text(), b.read_text()) == ("old a", "old b") and not c.exists()
+    assert sorted(p.name for p in tables.iterdir()) == ["a.md", "b.md"]   # no temp or kept file left
+
+
 def test_a_second_concurrent_run_is_told_the_folder_is_in_use(tree):
     holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from pkv.config.workflow import lock_folder; "
                                "lock_folder('results/smoke', hold=True); print('held', flush=True); time.sleep(120)"],

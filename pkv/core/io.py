@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from functools import cache
@@ -143,8 +144,11 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 def atomic_write_many(files: dict[Path, bytes]) -> None:
     """Write every file or none: each is staged beside its final name first (a directory
     in the way, a full disk or a read-only folder fails here, before any is replaced),
-    then all are renamed into place. An OSError names the path it failed on."""
+    then all are renamed into place; should a rename fail, the files already renamed get
+    their old content back (each is kept as a hard link until all are in place). An
+    OSError names the path it failed on."""
     staged: dict[Path, str] = {}
+    kept: dict[Path, str | None] = {}   # replaced so far -> its old content's link (None: it was new)
     try:
         for path, data in files.items():
             path = Path(path)
@@ -156,13 +160,35 @@ def atomic_write_many(files: dict[Path, bytes]) -> None:
                 raise _named(path, e) from None
         for path, tmp in list(staged.items()):
             try:
+                old = None
+                if path.exists():
+                    old = f"{tmp}.old"
+                    try:
+                        os.link(path, old)
+                    except OSError:   # a filesystem without hard links: a copy
+                        shutil.copyfile(path, old)
+                kept[path] = old
                 os.replace(tmp, path)
             except OSError as e:
+                _restore(kept)
+                kept = {}
                 raise _named(path, e) from None
             del staged[path]
     finally:
         for tmp in staged.values():
             Path(tmp).unlink(missing_ok=True)
+        for old in kept.values():
+            if old is not None:
+                Path(old).unlink(missing_ok=True)
+
+
+def _restore(kept: dict[Path, str | None]) -> None:
+    """Put back what atomic_write_many replaced before a rename failed."""
+    for path, old in kept.items():
+        if old is None:
+            path.unlink(missing_ok=True)
+        elif Path(old).exists():
+            os.replace(old, path)
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:
