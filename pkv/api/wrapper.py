@@ -97,9 +97,8 @@ class DecodeWrapper:
                              f"{s.head_dim}], got {list(getattr(q, 'shape', []))}")
         if q.dtype != s.torch_dtype:
             raise ValueError(f"pkv decode: this wrapper was made for {s.torch_dtype} queries, got {q.dtype}")
-        kv_fp8 = view.k.dtype == torch.float8_e4m3fn
-        if kv_fp8 != (s.kv_dtype == "fp8"):   # the workspace and the kernel are chosen for one KV dtype
-            made = "an FP8 (e4m3) KV cache (kv_fp8=True)" if s.kv_dtype == "fp8" else f"a {s.torch_dtype} KV cache"
+        if (view.k.dtype == torch.float8_e4m3fn) != s.fp8:   # the workspace and kernel are chosen for one KV dtype
+            made = "an FP8 (e4m3) KV cache (kv_fp8=True)" if s.fp8 else f"a {s.torch_dtype} KV cache"
             raise ValueError(f"pkv decode: this wrapper was made for {made}, the layer's KV cache is {view.k.dtype}")
         return run_op(q, view, self.block_table[:rows], self.seq_lens[:rows], self.workspace, sm_scale=sm_scale,
                       logits_soft_cap=logits_soft_cap, out=out, return_lse=return_lse, k_scale=k_scale,

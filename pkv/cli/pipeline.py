@@ -183,13 +183,13 @@ def jobs_of(args) -> list[argparse.Namespace]:
 
 def measure_cmd(args) -> int:
     cfg = load_config(args.config)
-    check_constants(cfg, args.constants)
+    constants = check_constants(cfg, args.constants)
     jobs = jobs_of(args)
     for job in jobs:        # every job's flags before any is measured
         check_args(cfg, job)
     from pkv.plan.costmodel import Constants
 
-    k = Constants.load(args.constants)   # a constants file missing a key is refused before the banner
+    k = Constants.of(constants, args.constants)   # a constants file missing a key is refused before the banner
     _announce(cfg)
     _, row = by_command(args.stage)
     run = getattr(importlib.import_module(row.module), row.run)

@@ -159,12 +159,14 @@ class Runner:
         self.scales = [kv_args(c) for c in caches]
         self.route = self.name
 
+    takes_buckets = False   # whether __init__ also takes the buckets (a wrapper or graph per bucket)
+
     @classmethod
     def build(cls, model: DecoderModel, caches: list[PagedCache], xs: dict[int, torch.Tensor], buckets: list[int],
               constants=None, point: str = "") -> "Runner":
         """The runner of a RUNNERS row (pkv.measure.model_runners.build_runners calls it); this
-        default needs only the model, caches and inputs."""
-        return cls(model, caches, xs)
+        default needs the model, caches and inputs, and the buckets where `takes_buckets`."""
+        return cls(model, caches, xs, buckets) if cls.takes_buckets else cls(model, caches, xs)
 
     def capture(self, bucket: int, step: StepState) -> None:
         """Build what the bucket needs (a graph for graph runners) and warm it up."""

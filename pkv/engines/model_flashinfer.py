@@ -83,17 +83,14 @@ def _resolved(wrapper) -> str:
 
 class FlashInferGraphRunner(GraphRunner):
     name = "flashinfer-graph"
+    takes_buckets = True
 
-    @classmethod
-    def build(cls, model, caches, xs, buckets, constants=None, point=""):
-        # One workspace per runner (the graph runner's per-bucket wrappers share it: they never run concurrently).
-        return cls(model, caches, xs, buckets, new_workspace(caches[0].device))
-
-    def __init__(self, model, caches, xs, buckets, workspace):
+    def __init__(self, model, caches, xs, buckets):
         import flashinfer
 
         super().__init__(model, caches, xs)
         dev, pages = self.cache.device, self.cache.assignment.num_pages + max(buckets)
+        workspace = new_workspace(dev)   # one per runner: its per-bucket wrappers never run concurrently
         self.wrappers = {}
         for b in buckets:
             indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
@@ -115,16 +112,14 @@ class FlashInferGraphRunner(GraphRunner):
 
 class FlashInferEagerRunner(Runner):
     name = "flashinfer-eager"
+    takes_buckets = True
 
-    @classmethod
-    def build(cls, model, caches, xs, buckets, constants=None, point=""):
-        return cls(model, caches, xs, buckets, new_workspace(caches[0].device))
-
-    def __init__(self, model, caches, xs, buckets, workspace):
+    def __init__(self, model, caches, xs, buckets):
         import flashinfer
 
         super().__init__(model, caches, xs)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "HND", use_tensor_cores=True)
+        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.cache.device), "HND",
+                                                                     use_tensor_cores=True)
         self.staging = FlashInferStaging(self.cache.device, max(buckets), self.cache.assignment.num_pages)
 
     def prepare(self, step, bucket):

@@ -22,10 +22,7 @@ class PkvGraphRunner(GraphRunner):
     cut of the work, is the bucket's); update() once a step, run(q, layer's KV) per layer."""
 
     name = "pkv-graph"
-
-    @classmethod
-    def build(cls, model, caches, xs, buckets, constants=None, point=""):
-        return cls(model, caches, xs, buckets)
+    takes_buckets = True
 
     def __init__(self, model, caches, xs, buckets):
         from pkv.api import DecodeWrapper

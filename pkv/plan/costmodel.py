@@ -237,13 +237,19 @@ class Constants:
             d = json.loads(Path(path).read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not a JSON constants file (line {e.lineno}: {e.msg})") from None
+        return cls.of(d, path)
+
+    @classmethod
+    def of(cls, d: dict, source: str | Path) -> "Constants":
+        """from_dict of a constants file's content read from `source`, a missing key or a value
+        of the wrong type refused in one line naming `source` and the key."""
         try:
             return cls.from_dict(d)
         except KeyError as e:
-            raise ValueError(f"{path}: constants key {e.args[0]!r} missing; rerun the calibration "
+            raise ValueError(f"{source}: constants key {e.args[0]!r} missing; rerun the calibration "
                              f"(pkv measure calibrate) to rewrite it") from None
         except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{path}: not a calibration's constants ({type(e).__name__}: {e})") from None
+            raise ValueError(f"{source}: not a calibration's constants ({type(e).__name__}: {e})") from None
 
 
 def _margins(rows) -> tuple:
