@@ -7,9 +7,6 @@
 // FA2-style tensor-core math: the G query heads of the KV head are the M rows of
 // mma.m16n8k16 (kRows = 1: G <= 8 in rows 0..7; kRows = 2: G <= 16), S = Q K^T with K by
 // ldmatrix, the S accumulators reused as the A operand of P V, V by ldmatrix.trans.
-// The pipeline's copies are per-lane cp.async, or (v5.10, `tma` mode, pages of >= 16 tokens)
-// one bulk tensor copy per 128-byte plane of a 16-token chunk, issued by the warp's lane 0
-// and completed on an mbarrier per stage.
 // Softmax state is FP32 in the log2 domain. At the end the warps' states merge in shared
 // memory (merge_warps) and emit(e, h, acc[e], acc[e+1], m, l) receives the CTA's state,
 // two elements at a time.
@@ -60,24 +57,12 @@ template <int D, bool kFp8 = false> struct AttendCfg {
   static_assert(kWarps * 16 * (D + 2) * 4 <= kSmem, "warp states must fit in the pipeline buffers");
   static_assert(kRowBytes == 64 || kRowBytes % 128 == 0, "rows of 64 bytes or whole 128-byte lines");
   static_assert(kChunk * kPieces % 32 == 0, "a sub-chunk is whole rounds of 32 lanes");
-  // A row's 128-byte planes (one for rows of <= 128 bytes): a bulk copy's box is one plane of
-  // a 16-token chunk, as wide as its swizzle span.
-  static constexpr int kPlaneBytes = kRowBytes < 128 ? kRowBytes : 128;
-  static constexpr int kPlanes = kRowBytes / kPlaneBytes;
   // Byte offset of (token, piece) inside a K or V step: XOR swizzle so ldmatrix's 8 row
   // addresses (8 tokens, one piece) hit 8 different 16-byte bank groups. Rows of 64
-  // bytes pair up in a 128-byte line: odd tokens take the line's other half (TMA's 64-byte
-  // swizzle); 128-byte rows XOR the piece with the token (its 128-byte swizzle); wider rows
-  // keep each 16-token chunk as its planes one after another ([plane][token][128 bytes], the
-  // boxes of one plane each), swizzled as 128-byte rows. Stages start 1024-byte aligned.
+  // bytes pair up in a 128-byte line: odd tokens take the line's other half.
   static __device__ __forceinline__ int offset(int tok, int piece) {
-    if constexpr (kRowBytes <= 128) {
-      const int swz = kRowBytes == 128 ? tok & 7 : (tok >> 1) & 3;
-      return tok * kRowBytes + ((piece ^ swz) << 4);
-    } else {
-      return (tok >> 4) * (kChunk * kRowBytes) + (piece >> 3) * (kChunk * 128) + (tok & 15) * 128 +
-             (((piece & 7) ^ (tok & 7)) << 4);
-    }
+    const int swz = kRowBytes >= 128 ? tok & 7 : (tok >> 1) & 3;
+    return tok * kRowBytes + ((piece ^ swz) << 4);
   }
 };
 
@@ -102,14 +87,6 @@ struct Range {
   float out_scale;         // FP8: the V tensor scale, applied to the CTA's output state
   float cap_log2 = 0.f;    // logits soft cap times log2(e); 0 = off
   unsigned long long* trace = nullptr;  // PKV_TRACE builds: this piece's trace record, or null
-  // `tma` mode (null: per-lane cp.async): the CTA's kWarps x kStages stage barriers, the
-  // thread's phase bits at the piece's start (one a stage, kept across the CTA's pieces: the
-  // attend functions return them), and K's and V's 4-d tensor maps (D, tokens, KV heads,
-  // pages; graph_decode.h). scale_head is the KV head either way.
-  uint64_t* bars = nullptr;
-  uint32_t phase = 0;
-  const void* map_k = nullptr;
-  const void* map_v = nullptr;
 };
 
 // Logits soft cap on a log2-domain logit x: c tanh(x / c) is cap tanh(s / cap) scaled by log2(e).
@@ -126,14 +103,12 @@ template <int D, bool kFp8> struct KvPipe {
   const int warp, lane, P, steps;
   const uint32_t base;  // shared address of the warp's stages
   float* const factors; // [kStages][kSub][2] of the warp
-  uint32_t phase;       // `tma`: the stages' barrier phase bits
 
   __device__ KvPipe(const Range& r, unsigned char* smem)
       : a(r), warp(threadIdx.x >> 5), lane(threadIdx.x & 31), P(1 << r.page_shift),
         steps(my_steps(r, threadIdx.x >> 5)),
         base(smem_addr(smem + (threadIdx.x >> 5) * C::kStages * C::kStageBytes)),
-        factors(reinterpret_cast<float*>(smem + C::kScaleOffset) + (threadIdx.x >> 5) * C::kStages * C::kSub * 2),
-        phase(r.phase) {}
+        factors(reinterpret_cast<float*>(smem + C::kScaleOffset) + (threadIdx.x >> 5) * C::kStages * C::kSub * 2) {}
 
   static __device__ int my_steps(const Range& r, int w) {
     const int n = (r.t_end - r.t_begin + C::kStepTokens - 1) / C::kStepTokens;
@@ -143,19 +118,6 @@ template <int D, bool kFp8> struct KvPipe {
   __device__ uint32_t k_stage(int j) const { return base + (j % C::kStages) * C::kStageBytes; }
   __device__ uint32_t v_stage(int j) const { return k_stage(j) + C::kHalfBytes; }
   __device__ const float* factors_of(int j) const { return factors + (j % C::kStages) * C::kSub * 2; }
-  __device__ uint64_t* bar(int j) const { return a.bars + warp * C::kStages + j % C::kStages; }
-
-  // Step j's bytes have landed and every lane sees them: its cp.async group (the whole step,
-  // or under `tma` the FP8 page factors and the ragged steps) and, under `tma`, its barrier.
-  __device__ void wait(int j) {
-    cp_async_wait<C::kStages - 2>();
-    if (a.bars != nullptr) {
-      const int s = j % C::kStages;
-      mbar_wait(bar(j), (phase >> s) & 1u);
-      phase ^= 1u << s;
-    }
-    __syncwarp();
-  }
 
   // Pages of >= 16 tokens hold whole (16-aligned) sub-chunks: one block-table lookup per
   // sub-chunk, loaded an iteration ahead of its use so its latency hides behind the math.
@@ -173,25 +135,7 @@ template <int D, bool kFp8> struct KvPipe {
       const KvT* kv = reinterpret_cast<const KvT*>(a.kv);
       const int t0 = tok0(j);
       const uint32_t stage = k_stage(j);
-      const bool whole = P >= kChunk && t0 + C::kStepTokens <= a.t_end;
-      if (a.bars != nullptr && whole) {
-        // v5.10: one bulk copy per plane of each sub-chunk's K and V, by lane 0 (the
-        // sub-chunk is 16 tokens inside one page: t0 is 16-aligned).
-        if (lane == 0) {
-          mbar_expect_tx(bar(j), C::kStageBytes);
-#pragma unroll
-          for (int i = 0; i < C::kSub; ++i) {
-            const int tok = (t0 + i * kChunk) & (P - 1);
-#pragma unroll
-            for (int pl = 0; pl < C::kPlanes; ++pl) {
-              const uint32_t dst = stage + C::offset(i * kChunk, pl * 8);
-              const int c0 = pl * (C::kPlaneBytes / static_cast<int>(sizeof(KvT)));
-              tma_load_4d(dst, a.map_k, c0, tok, a.scale_head, pg.id[i], bar(j));
-              tma_load_4d(dst + C::kHalfBytes, a.map_v, c0, tok, a.scale_head, pg.id[i], bar(j));
-            }
-          }
-        }
-      } else if (whole) {
+      if (P >= kChunk && t0 + C::kStepTokens <= a.t_end) {
         // v5.6: a whole step inside the range and each sub-chunk inside one page (t0 is
         // 16-aligned): one address per sub-chunk, then a pointer step per copy, no
         // per-copy page lookup, wrap or bound (the prologue's copies were 1.4 us of issue
@@ -225,9 +169,6 @@ template <int D, bool kFp8> struct KvPipe {
           cp_async16(dst + C::kHalfBytes, ok ? src + a.v_off : kv, ok ? 16 : 0);
         }
       }
-      // A step copied by the lanes completes its barrier's phase at once (its bytes are the
-      // cp.async group's).
-      if (a.bars != nullptr && !whole && lane == 0) mbar_arrive(bar(j));
       if constexpr (kFp8) {
         // Each sub-chunk's page factors travel with its bytes (pages of >= 16 tokens: the
         // host refuses page factors on smaller pages).
@@ -269,14 +210,13 @@ __device__ __forceinline__ void merge_warps(const float* sm, int G, float out_sc
   __syncthreads();  // the buffers are free again for the caller
 }
 
-// Returns the pipeline's barrier phase bits for the CTA's next piece (`tma` mode).
 template <typename T, int D, int kRows, class Emit>
-__device__ __forceinline__ uint32_t attend_range(const Range& a, unsigned char* smem, Emit&& emit) {
+__device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem, Emit&& emit) {
   using C = AttendCfg<D>;
   constexpr int kAcc = 2 * kRows;  // accumulator floats per lane per 8-column block
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int G = a.group;
-  KvPipe<D, false> pipe(a, smem);
+  const KvPipe<D, false> pipe(a, smem);
 
   float o[D / 8][kAcc];
 #pragma unroll
@@ -326,7 +266,8 @@ __device__ __forceinline__ uint32_t attend_range(const Range& a, unsigned char* 
 
   for (int j = 0; j < pipe.steps; ++j) {
     const auto next_pages = pipe.pages(j + C::kStages - 1);
-    pipe.wait(j);
+    cp_async_wait<C::kStages - 2>();
+    __syncwarp();
     if (j == 0) PKV_STAMP(a.trace, 5);  // warp 0's first KV step has landed
     const uint32_t k_s = pipe.k_stage(j), v_s = pipe.v_stage(j);
 
@@ -421,10 +362,8 @@ __device__ __forceinline__ uint32_t attend_range(const Range& a, unsigned char* 
             make_float2(o[jd][2 * rh], o[jd][2 * rh + 1]);
     }
   }
-  if (a.bars != nullptr) fence_proxy_async();  // the next piece's bulk copies land on these bytes
   __syncthreads();
   merge_warps<D>(sm_m, G, 1.f, emit);
-  return pipe.phase;
 }
 
 }  // namespace pkv

@@ -55,15 +55,14 @@ template <typename T> __device__ __forceinline__ uint32_t q_f16x2(const T* p) {
   }
 }
 
-// Returns the pipeline's barrier phase bits for the CTA's next piece (`tma` mode).
 template <typename T, int D, int kHB, class Emit>
-__device__ __forceinline__ uint32_t attend_range_fp8(const Range& a, unsigned char* smem, Emit&& emit) {
+__device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* smem, Emit&& emit) {
   using C = AttendCfg<D, true>;
   static_assert(!C::kQInSmem, "the FP8 path is built for head_dim <= 128");
   constexpr int kSub = C::kSub, kPc = D / 16;  // sub-chunks per step; 16-dim pieces
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
   const int G = a.group;
-  KvPipe<D, true> pipe(a, smem);
+  const KvPipe<D, true> pipe(a, smem);
 
   float o[kHB][kPc][4];  // O^T: rows dims 16p + 2gid (+1 for [2], [3]), columns heads 8hb + 2t4 (+1)
 #pragma unroll
@@ -105,7 +104,8 @@ __device__ __forceinline__ uint32_t attend_range_fp8(const Range& a, unsigned ch
 
   for (int j = 0; j < pipe.steps; ++j) {
     const auto next_pages = pipe.pages(j + C::kStages - 1);
-    pipe.wait(j);
+    cp_async_wait<C::kStages - 2>();
+    __syncwarp();
     if (j == 0) PKV_STAMP(a.trace, 5);
     const uint32_t k_s = pipe.k_stage(j), v_s = pipe.v_stage(j);
 #if PKV_FP8_DIAG == 2
@@ -240,10 +240,8 @@ __device__ __forceinline__ uint32_t attend_range_fp8(const Range& a, unsigned ch
               make_float2(o[hb][p][e], o[hb][p][2 + e]);
       }
     }
-  if (a.bars != nullptr) fence_proxy_async();  // the next piece's bulk copies land on these bytes
   __syncthreads();
   merge_warps<D>(sm_m, G, a.out_scale, emit);
-  return pipe.phase;
 }
 
 }  // namespace pkv

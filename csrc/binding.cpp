@@ -6,8 +6,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
-
 #include <cmath>
 #include <optional>
 
@@ -31,48 +29,6 @@ const int* meta_ptr(const at::Tensor& meta, int64_t off) {
 
 void check_cuda(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.is_cuda() && t.is_contiguous(), "pkv: ", name, " must be a contiguous CUDA tensor");
-}
-
-// The driver's tensor-map encoder, through the runtime's entry point (no libcuda link); null
-// where the driver has none.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &f, 12000, cudaEnableDefault,
-                                                             &found);
-    return err == cudaSuccess && found == cudaDriverEntryPointSuccess
-               ? reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(f)
-               : nullptr;
-  }();
-  return fn;
-}
-
-// K's or V's [num_pages, Hkv, P, D] view as the 4-d tensor map the `tma` pipeline reads
-// (graph_decode.h): dims (D, P, Hkv, pages), boxes of one 128-byte plane of 16 tokens (the
-// whole row where it is 64 bytes), the swizzle of the plane's width. False where the GPU, the driver or the layout cannot (pages
-// under 16 tokens, strides the encoder refuses): the kernel then copies by cp.async.
-bool encode_kv_map(CUtensorMap* map, const at::Tensor& t) {
-  int major = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, t.get_device()) != cudaSuccess || major < 9 ||
-      t.size(2) < 16)
-    return false;
-  const auto encode = tensor_map_encoder();
-  if (encode == nullptr) return false;
-  const int64_t es = t.element_size(), row = t.size(3) * es;
-  const int64_t plane = row < 128 ? row : 128;
-  if ((plane != 64 && plane != 128) || row % plane != 0) return false;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(t.size(3)), static_cast<cuuint64_t>(t.size(2)),
-                              static_cast<cuuint64_t>(t.size(1)), static_cast<cuuint64_t>(t.size(0))};
-  const cuuint64_t strides[3] = {static_cast<cuuint64_t>(t.stride(2) * es), static_cast<cuuint64_t>(t.stride(1) * es),
-                                 static_cast<cuuint64_t>(t.stride(0) * es)};
-  const cuuint32_t box[4] = {static_cast<cuuint32_t>(plane / es), 16, 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = encode(map, es == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8 : CU_TENSOR_MAP_DATA_TYPE_UINT16, 4,
-                            t.data_ptr(), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                            plane == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS;
 }
 
 void decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& meta,
@@ -150,7 +106,7 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& lse, const at::Tensor& partial, const at::Tensor& counters,
                         int64_t num_ctas, int64_t min_tiles, const std::optional<at::Tensor>& page_scales,
                         double k_scale, double v_scale, double sm_scale, double logits_soft_cap,
-                        int64_t merge, int64_t piece_cost, int64_t counter_stride, int64_t spin_ns, int64_t tma) {
+                        int64_t merge, int64_t piece_cost, int64_t counter_stride, int64_t spin_ns) {
   check_cuda(q, "q"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
   TORCH_CHECK(k.is_cuda() && v.is_cuda() && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
@@ -234,9 +190,6 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
     TORCH_CHECK(P >= 16, "pkv.graph_decode: page scales need pages of >= 16 tokens");
     p.page_scales = page_scales->data_ptr<float>();
   }
-  TORCH_CHECK(tma == 0 || tma == 1, "pkv.graph_decode: tma is 0 (cp.async copies) or 1 (bulk tensor copies where "
-              "the GPU and the layout allow)");
-  p.tma = tma && encode_kv_map(&p.map_k, k) && encode_kv_map(&p.map_v, v);
   const cudaError_t err =
       pkv::launch_graph_decode(p, dtype_of(q), fp8, static_cast<int>(D), c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "pkv.graph_decode launch failed: ", cudaGetErrorString(err));
@@ -247,20 +200,13 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
                   const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
                   const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
                   const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale, int64_t merge,
-                  int64_t piece_cost, int64_t counter_stride, int64_t spin_ns, int64_t tma) {
+                  int64_t piece_cost, int64_t counter_stride, int64_t spin_ns) {
   check_cuda(kv, "kv");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "pkv: kv[pages,2,Hkv,P,D] expected");
   graph_decode_paged(q, kv.select(1, 0), kv.select(1, 1), block_table, seq_lens, req_ids, out, std::nullopt, partial,
                      counters, num_ctas, min_tiles, page_scales, k_scale, v_scale,
                      1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, merge, piece_cost, counter_stride,
-                     spin_ns, tma);
-}
-
-// Whether `tma` = 1 takes the bulk-copy path for this K, V pair (else the kernel copies by cp.async).
-bool graph_tma_ok(const at::Tensor& k, const at::Tensor& v) {
-  TORCH_CHECK(k.is_cuda() && v.is_cuda() && k.dim() == 4 && v.dim() == 4, "pkv.graph_tma_ok: CUDA [num_pages, Hkv, P, D] views");
-  CUtensorMap map;
-  return encode_kv_map(&map, k) && encode_kv_map(&map, v);
+                     spin_ns);
 }
 
 int64_t graph_ctas_per_sm(int64_t head_dim) { return pkv::graph_decode_ctas_per_sm(static_cast<int>(head_dim)); }
@@ -300,14 +246,13 @@ TORCH_LIBRARY(pkv, m) {
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
         "float k_scale=1.0, float v_scale=1.0, int merge=4, int piece_cost=0, int counter_stride=1, "
-        "int spin_ns=0, int tma=0) -> ()");
+        "int spin_ns=0) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
         "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int merge=4, "
-        "int piece_cost=0, int counter_stride=1, int spin_ns=0, int tma=0) -> ()");
+        "int piece_cost=0, int counter_stride=1, int spin_ns=0) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
   m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
-  m.def("graph_tma_ok(Tensor k, Tensor v) -> bool");
 }
 
 TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
@@ -316,5 +261,4 @@ TORCH_LIBRARY_IMPL(pkv, CUDA, m) {
   m.impl("read_probe", &read_probe);
   m.impl("graph_decode", &graph_decode);
   m.impl("graph_decode_paged", &graph_decode_paged);
-  m.impl("graph_tma_ok", &graph_tma_ok);
 }

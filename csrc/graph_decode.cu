@@ -14,7 +14,6 @@ __device__ unsigned long long g_trace[kTraceRecords * kTraceFields];
 #endif
 
 constexpr int kMergeThreads = 128;
-constexpr int kSmemAlign = 1024;  // the pipeline stages' alignment (TMA's 128-byte swizzle)
 static_assert(kMergeThreads == kThreads, "the last-CTA merge runs merge_slice on a decode CTA");
 // States a decode CTA's merge loads per round (its last-CTA and in-grid merges): its
 // registers are free by then.
@@ -328,14 +327,8 @@ __device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int stat
 }
 
 template <typename T, int D, int kRows, bool kFp8>
-__global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm)
-    graph_decode_kernel(const __grid_constant__ GraphDecodeParams p) {  // grid constant: the tensor maps' address
-  using C = AttendCfg<D, kFp8>;
-  extern __shared__ __align__(128) unsigned char smem_raw[];
-  // The stages 1024-byte aligned (a bulk copy's 128-byte swizzle is of the address's bits, and
-  // C::offset's of the stage's): the launch gives kSmemAlign bytes more.
-  unsigned char* const smem = smem_raw + ((kSmemAlign - (smem_addr(smem_raw) & (kSmemAlign - 1))) & (kSmemAlign - 1));
-  __shared__ __align__(8) uint64_t s_bar[kWarps * C::kStages];  // `tma`: a barrier per warp and stage
+__global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) graph_decode_kernel(const GraphDecodeParams p) {
+  extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int s_inc[kGraphMaxRows];  // inclusive prefix sum of tiles over rows
   __shared__ int s_len[kGraphMaxRows];
   __shared__ int s_req[kGraphMaxRows];  // loaded with the lengths: one dependent load less per piece
@@ -356,12 +349,6 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm)
   if (p.merge == 1 || p.merge == 3) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int tid = threadIdx.x;
   const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
-  if (p.tma) {  // ready before the scan's barriers, so before any copy
-    if (tid < kWarps * C::kStages) mbar_init(s_bar + tid);
-    if (tid == 0) prefetch_tensormap(&p.map_k), prefetch_tensormap(&p.map_v);
-    mbar_init_fence();
-  }
-  uint32_t phase = 0;  // `tma`: this thread's stage phase bits, across the CTA's pieces
 
   // 1. The step's work: tiles per row (and set-up units, v5.9), scanned.
   int nonzero, vtotal;
@@ -441,14 +428,13 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm)
     a.num_kv_heads = H;
     a.out_scale = p.v_scale;
     a.trace = pieces == 0 ? rec : nullptr;
-    if (p.tma) a.bars = s_bar, a.phase = phase, a.map_k = &p.map_k, a.map_v = &p.map_v;
     if (pieces == 0) first_tokens = a.t_end - a.t_begin;
     ++pieces;
 
     T* out = reinterpret_cast<T*>(p.out) + qo;
     auto attend = [&](auto&& emit) {
-      if constexpr (kFp8) phase = attend_range_fp8<T, D, kRows>(a, smem, emit);
-      else phase = attend_range<T, D, kRows>(a, smem, emit);
+      if constexpr (kFp8) attend_range_fp8<T, D, kRows>(a, smem, emit);
+      else attend_range<T, D, kRows>(a, smem, emit);
     };
     if (j0 == j1) {
       attend([&](int e, int hh, float a0, float a1, float mx, float den) {
@@ -614,7 +600,7 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
 template <typename T, int D, int kRows, bool kFp8>
 cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
   auto kernel = graph_decode_kernel<T, D, kRows, kFp8>;
-  constexpr int smem = AttendCfg<D, kFp8>::kSmemTotal + kSmemAlign;
+  constexpr int smem = AttendCfg<D, kFp8>::kSmemTotal;
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   kernel<<<p.num_ctas, kThreads, smem, stream>>>(p);
@@ -662,8 +648,7 @@ cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
       p.num_ctas >= kLate - kMergeSlices || p.min_tiles < 1 || p.merge < 0 || p.merge > 4 ||
       p.piece_cost < 0 || p.piece_cost > kMaxPieceCost || p.counter_stride < 1 ||
-      p.counter_stride > kMaxCounterStride || p.spin_ns < 0 || p.spin_ns > kMaxSpinNs || p.tma < 0 || p.tma > 1 ||
-      (p.tma && (1 << p.page_shift) < kChunk) ||
+      p.counter_stride > kMaxCounterStride || p.spin_ns < 0 || p.spin_ns > kMaxSpinNs ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)

@@ -25,7 +25,6 @@
 #pragma once
 
 #include <cstdint>
-#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include "pkv_decode.h"
@@ -70,12 +69,6 @@ struct GraphDecodeParams {
                             // 2: as 3 with no early trigger
   float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
-  // v5.10: 1 = the KV pipeline's copies are bulk tensor copies (TMA) through map_k / map_v,
-  // pages of >= 16 tokens; 0 = per-lane cp.async. The maps (binding.cpp, encode_kv_map): K's and
-  // V's [pages, Hkv, P, D] in boxes of one 128-byte plane of a row (the row where it is 64
-  // bytes) by 16 tokens, swizzled as AttendCfg::offset lays a stage out.
-  int tma;
-  CUtensorMap map_k, map_v;
 };
 
 // Head dims built with an FP8 e4m3 cache (kFp8HeadDims in pkv/engines/graph.py).

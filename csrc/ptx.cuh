@@ -86,61 +86,6 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-// Bulk tensor copies (TMA, sm_90) with mbarrier completion: the KV pipeline's `tma` mode.
-// A barrier of count 1: the issuing lane arrives with the bytes it expects, the copies
-// complete the transaction; waiters poll the phase parity.
-__device__ __forceinline__ void mbar_init(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(smem_addr(bar)) : "memory");
-#endif
-}
-// The barriers' inits visible to the async proxy (the copies that complete them).
-__device__ __forceinline__ void mbar_init_fence() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("fence.mbarrier_init.release.cluster;\nfence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-// Orders this thread's earlier generic-proxy shared-memory accesses before later bulk
-// copies into the same bytes (after a barrier, whoever issues them).
-__device__ __forceinline__ void fence_proxy_async() {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
-#endif
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile(
-      "{\n.reg .pred done;\nWAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-#endif
-}
-// One box of a 4-d tensor map (coordinates innermost first) into shared memory at dst.
-__device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c0, int c1, int c2, int c3,
-                                            uint64_t* bar) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile(
-      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, "
-      "%5}], [%6];\n" ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
-      : "memory");
-#endif
-}
-__device__ __forceinline__ void prefetch_tensormap(const void* map) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("prefetch.tensormap [%0];\n" ::"l"(map) : "memory");
-#endif
-}
-
 __device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));

@@ -244,9 +244,6 @@ def test_cpu_engine_matches_reference(piece_cost):
         make_engine("pkv-graph", cache, counter_stride=33)
     with pytest.raises(ValueError, match="spin_ns"):
         make_engine("pkv-graph", cache, spin_ns=-5)
-    with pytest.raises(ValueError, match="tma is 0 .* or 1"):
-        make_engine("pkv-graph", cache, tma=2)
-    assert not make_engine("pkv-graph", cache, tma=1).tma_active   # a copy path of the GPU only
 
 
 def test_padded_step_and_capacity_on_cpu():

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MERGE, GRAPH_MIN_TILES, GRAPH_TMA,
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MERGE, GRAPH_MIN_TILES,
                                       MAX_COUNTER_STRIDE, MAX_PIECE_COST, MAX_SPIN_NS, MERGE_SLICES, PIECE_COST,
                                       graph_schedule)
 from pkv.engines.base import Engine, Plan
@@ -85,7 +85,7 @@ class GraphEngine(Engine):
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
                  min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = GRAPH_MERGE,
-                 piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0, tma: int = GRAPH_TMA):
+                 piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0):
         super().__init__(cache)
         s = cache.shape
         self.gpu = cache.kv.is_cuda
@@ -111,10 +111,6 @@ class GraphEngine(Engine):
             raise ValueError(f"counter_stride is 1..{MAX_COUNTER_STRIDE} and spin_ns 0..{MAX_SPIN_NS}, got "
                              f"{counter_stride} and {spin_ns}")
         self.counter_stride, self.spin_ns = int(counter_stride), int(spin_ns)
-        if tma not in (0, 1):
-            raise ValueError(f"tma is 0 (per-lane cp.async copies) or 1 (bulk tensor copies where the GPU and the "
-                             f"layout allow: pages of >= 16 tokens, sm_90), got {tma}")
-        self.tma = int(tma)   # a copy path: the results are the same, the CPU oracle ignores it
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
             self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms
@@ -138,14 +134,6 @@ class GraphEngine(Engine):
 
             self.ops = ops()
 
-    @property
-    def tma_active(self) -> bool:
-        """Whether run() copies the KV by bulk tensor copies (tma=1 and the GPU, driver and layout allow)."""
-        if not (self.gpu and self.tma):
-            return False
-        kv = self.cache.kv
-        return bool(self.ops.graph_tma_ok(kv.select(1, 0), kv.select(1, 1)))
-
     def prepare(self, step: StepState, rows: int | None = None) -> GraphPlan:
         self.check_step(step)
         b = step.active
@@ -168,7 +156,7 @@ class GraphEngine(Engine):
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
                                   merge=self.merge, piece_cost=self.piece_cost, counter_stride=self.counter_stride,
-                                  spin_ns=self.spin_ns, tma=self.tma)
+                                  spin_ns=self.spin_ns)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))

@@ -49,7 +49,6 @@ PIECE_COST = 0          # default set-up units in front of a short segment (v5.9
 MAX_PIECE_COST = 64     # kMaxPieceCost
 MAX_COUNTER_STRIDE = 32  # kMaxCounterStride: merge counters allocated per (row, KV head), in ints
 MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
-GRAPH_TMA = 0           # default KV copies: 0 per-lane cp.async, 1 bulk tensor copies (v5.10; docs/perf-notes.md)
 
 
 @dataclass(frozen=True)

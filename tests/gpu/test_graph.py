@@ -133,37 +133,9 @@ def test_in_grid_merge_counter_options(counter_stride, spin_ns):
     assert int(engine.counters.abs().sum()) == 0
 
 
-# v5.10: the bulk tensor copies (tma = 1) at every head_dim and KV dtype, on pages of 16-64
-# tokens (and pages of 8, where the kernel keeps cp.async), ragged lengths (the steps the
-# lanes copy beside the bulk ones), CTAs of several pieces (the barriers' phases carried
-# across pieces) and GQA groups of 1-16.
-TMA_CASES = [(d, dtype, kv, page, group) for d, dtype, kv, page, group in [
-    (128, "float16", "auto", 16, 4), (128, "bfloat16", "auto", 32, 7), (64, "float16", "auto", 64, 8),
-    (256, "bfloat16", "auto", 16, 8), (128, "float16", "auto", 8, 4), (128, "float16", "tensor", 16, 4),
-    (128, "bfloat16", "page", 16, 16), (64, "float16", "tensor", 32, 2), (64, "float16", "page", 64, 1),
-    (128, "float16", "tensor", 8, 4)]]
-TMA_LENGTHS = {"short": [1, 15, 17, 33], "ragged": "many", "long": [40 * K + 5, 3, 900]}
-
-
-@pytest.mark.parametrize("lengths", list(TMA_LENGTHS))
-@pytest.mark.parametrize("head_dim,dtype,kv,page,group", TMA_CASES)
-def test_tma_copies(head_dim, dtype, kv, page, group, lengths):
-    seed = seed_of("tma", head_dim, dtype, kv, page, group, lengths)
-    rng = np.random.default_rng(seed)
-    lens = TMA_LENGTHS[lengths] if lengths != "ragged" else rng.integers(1, 3 * K, size=41).tolist()
-    cache, step, q = make_case(lens, group=group, num_kv_heads=4, head_dim=head_dim, page_size=page, dtype=dtype,
-                               seed=seed)
-    run_cache = cache if kv == "auto" else cache.quantized(kv)
-    engine = make_engine("pkv-graph", run_cache, tma=1)
-    assert engine.tma_active == (page >= 16 and torch.cuda.get_device_capability() >= (9, 0))
-    out = run_graph(engine, step, q)
-    ref = reference(run_cache, step, q) if kv == "auto" else reference_dequantized(run_cache, step, q)
-    check(out, ref, dtype, f"tma d{head_dim} {dtype} {kv} p{page} g{group} {lengths}")
-
-
 # The compute-sanitizer grid (docs/perf-notes.md, v5): every pkv-graph path (16-bit d 64/128/256,
 # FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0, 3 and 4, the
-# v5.9 cut's set-up units under merge 1 and 4, the v5.10 bulk copies under merge 1 and 4) on a
+# v5.9 cut's set-up units under merge 1 and 4) on a
 # grid of 8 SMs' worth of CTAs; run with
 #   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
 #     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_graph.py -k sanitizer_grid
@@ -179,13 +151,11 @@ def test_sanitizer_grid(head_dim, kv, page, lens):
     seed = seed_of("sanitizer", head_dim, kv, page, lens)
     cache, step, q = make_case(list(lens), group=4, num_kv_heads=2, head_dim=head_dim, page_size=page, seed=seed)
     run_cache = cache if kv == "auto" else cache.quantized(kv)
-    for merge, piece_cost, tma in ((1, 0, 0), (0, 0, 0), (3, 0, 0), (4, 0, 0), (1, 2, 0), (4, 2, 0), (1, 0, 1),
-                                   (4, 0, 1)):
-        engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge, piece_cost=piece_cost, tma=tma)
+    for merge, piece_cost in ((1, 0), (0, 0), (3, 0), (4, 0), (1, 2), (4, 2)):
+        engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge, piece_cost=piece_cost)
         out = run_graph(engine, step, q)
         ref = reference(run_cache, step, q) if kv == "auto" else reference_dequantized(run_cache, step, q)
-        check(out, ref, "float16",
-              f"sanitizer grid d{head_dim} {kv} p{page} {lens} merge {merge} pc {piece_cost} tma {tma}")
+        check(out, ref, "float16", f"sanitizer grid d{head_dim} {kv} p{page} {lens} merge {merge} pc {piece_cost}")
 
 
 def reference_dequantized(cache8, step, q):
@@ -216,17 +186,15 @@ def trace_steps(rng, num_requests, reserved, capacity, num_steps):
     return steps
 
 
-@pytest.mark.parametrize("group,head_dim,dtype,merge,piece_cost,tma", [
-    (4, 128, "float16", 1, 0, 0), (4, 128, "float16", 4, 0, 0), (7, 128, "bfloat16", 1, 0, 0),
-    (2, 256, "float16", 4, 0, 0), (8, 64, "float16", 1, 0, 0), (4, 128, "float16", 4, 1, 0),
-    (4, 128, "float16", 1, 2, 0), (4, 128, "float16", 4, 0, 1), (2, 256, "bfloat16", 1, 0, 1)])
-def test_graph_replay_over_a_trace(group, head_dim, dtype, merge, piece_cost, tma):
-    seed = seed_of("replay", group, head_dim, dtype, merge, *([piece_cost] if piece_cost else []),
-                   *([f"tma{tma}"] if tma else []))
+@pytest.mark.parametrize("group,head_dim,dtype,merge,piece_cost", [
+    (4, 128, "float16", 1, 0), (4, 128, "float16", 4, 0), (7, 128, "bfloat16", 1, 0), (2, 256, "float16", 4, 0),
+    (8, 64, "float16", 1, 0), (4, 128, "float16", 4, 1), (4, 128, "float16", 1, 2)])
+def test_graph_replay_over_a_trace(group, head_dim, dtype, merge, piece_cost):
+    seed = seed_of("replay", group, head_dim, dtype, merge, *([piece_cost] if piece_cost else []))
     cache, steps = replay_case(seed, Shape(group * 4, 4, head_dim, 16, dtype))
     replay_and_check(cache, steps, seed,
                      lambda t, out, step, q: check(out, reference(cache, step, q), dtype, f"replay step {t}"),
-                     merge=merge, piece_cost=piece_cost, tma=tma)
+                     merge=merge, piece_cost=piece_cost)
 
 
 REPLAY_CAPACITY = 12
@@ -241,11 +209,11 @@ def replay_case(seed, shape):
     return cache, trace_steps(rng, len(reserved), reserved, REPLAY_CAPACITY, 16)
 
 
-def replay_and_check(cache, steps, seed, check_step, merge=1, piece_cost=0, tma=0):
+def replay_and_check(cache, steps, seed, check_step, merge=1, piece_cost=0):
     """Capture pkv-graph once at the bucket, then replay it for every step with fresh queries
     and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step. Every merge
     counter is rearmed (zero) after the last replay."""
-    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, merge=merge, piece_cost=piece_cost, tma=tma)
+    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, merge=merge, piece_cost=piece_cost)
     q_static = cache.query(REPLAY_CAPACITY, seed)
     plan = engine.prepare(steps[0], rows=REPLAY_CAPACITY)
     engine.run(q_static, plan)
