@@ -36,6 +36,10 @@ def test_fp8_cases_quantize_their_pool_and_read_back_close():
     arena = KvArena.for_cases(CASES, "cpu")
     caches, queries = build_caches(CASES[2], 3, device="cpu", arena=arena)
     assert caches[0].shape.fp8 and caches[0].kv.dtype == torch.float8_e4m3fn
+    # The e4m3 pools are the arena's too, behind the 16-bit ones they were quantized from.
+    start, end = arena.buf.data_ptr(), arena.buf.data_ptr() + arena.buf.numel()
+    spans = sorted((x.kv.data_ptr(), x.kv.data_ptr() + x.kv.numel()) for x in caches)
+    assert start < spans[0][0] and spans[-1][1] <= end and all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
     c, lens = caches[0], torch.tensor(CASES[2].lens, dtype=torch.int32)
     out = attention_reference(queries[0], c.values(), c.block_table[:2], lens)
     assert out.shape == (2, 8, 64) and torch.isfinite(out).all()

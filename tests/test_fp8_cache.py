@@ -12,7 +12,7 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.engines import make_engine
-from pkv.core.fp8 import E4M3, E4M3_MAX, E4M3_STEP, KvScales, dequantize, quantize, write_pages
+from pkv.core.fp8 import E4M3, E4M3_MAX, E4M3_STEP, POLICIES, KvScales, dequantize, quantize, write_pages
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.kernels.reference import attention_reference
@@ -89,6 +89,26 @@ def test_write_pages_sets_page_factors():
 def test_quantize_refuses(bad, match):
     with pytest.raises(ValueError, match=match):
         quantize(bad)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_quantize_in_blocks_of_pages_is_the_whole_tensors(policy, monkeypatch):
+    """Blocks of 3 pages (the last one short), into a given `out`: the same bytes and scales as
+    one block; the largest value sits in a late block so the amax must cross blocks."""
+    import pkv.core.fp8 as fp8
+
+    x = torch.randn(10, 2, 2, 4, 8, generator=torch.Generator().manual_seed(5)).to(torch.float16)
+    x[8, 1, 0, 2, 3] = 40.0
+    whole8, whole = quantize(x, policy)
+    monkeypatch.setattr(fp8, "_CHUNK_PAGES", 3)
+    out = torch.full(x.shape, float("nan")).to(E4M3)
+    got8, got = quantize(x, policy, out=out)
+    assert got8 is out and torch.equal(got8.view(torch.uint8), whole8.view(torch.uint8))
+    assert (got.k_scale, got.v_scale) == (whole.k_scale, whole.v_scale)
+    if policy == "page":
+        assert torch.equal(got.page_factors, whole.page_factors)
+    with pytest.raises(ValueError, match="out must be"):
+        quantize(x, policy, out=torch.empty(x.shape, dtype=torch.float16))
 
 
 def test_scales_validate():

@@ -63,11 +63,13 @@ def pool_dims(case: Case, num_pages: int) -> tuple[int, ...]:
 
 
 def pool_bytes(case: Case) -> int:
-    """Bytes of the 16-bit KV pools of the case's copies (with its holes: every physical page)."""
+    """Bytes of the KV pools of the case's copies (with its holes: every physical page): the
+    16-bit pools, and behind them an FP8 case's e4m3 pools."""
     from pkv.core.paging import assign_pages
 
     pages = assign_pages(np.asarray(case.lens, dtype=np.int64), case.page_size, case.holes, 0).num_pages
-    return copies_for(case) * _aligned(math.prod(pool_dims(case, pages)) * case.shape.itemsize)
+    elems = math.prod(pool_dims(case, pages))
+    return copies_for(case) * (_aligned(elems * case.shape.itemsize) + (_aligned(elems) if case.shape.fp8 else 0))
 
 
 class KvArena:
@@ -76,7 +78,8 @@ class KvArena:
     multi-GB pools (and their FP32 staging) made pkv-graph's later rows of a sweep up to
     ~13 % slower than the same cases in a fresh process, FlashInfer's not
     (docs/perf-notes.md, v5.9); with the arena nothing is allocated per case but
-    the queries, block tables and FP8 copies."""
+    the queries and block tables (an FP8 case's e4m3 pools are carved behind its 16-bit ones,
+    and quantized into in blocks of pages: pkv.core.fp8.quantize)."""
 
     def __init__(self, nbytes: int, device="cuda"):
         import torch
@@ -87,21 +90,23 @@ class KvArena:
     def for_cases(cls, cases, device="cuda") -> "KvArena":
         return cls(max(pool_bytes(c) for c in cases), device)
 
-    def pools(self, dims: tuple[int, ...], dtype, count: int) -> list:
-        """`count` disjoint [dims] tensors of `dtype` from the start of the buffer (the last
-        case's are overwritten)."""
+    def pools(self, dims: tuple[int, ...], dtype, count: int, start: int = 0) -> list:
+        """`count` disjoint [dims] tensors of `dtype` from byte `start` of the buffer (the last
+        case's are overwritten); the next free byte is start + count * (one pool, aligned)."""
         one = math.prod(dims) * dtype.itemsize
         step = _aligned(one)
-        if count * step > self.buf.numel():
-            raise ValueError(f"the KV arena holds {self.buf.numel()} bytes, this case needs {count * step} "
+        if start + count * step > self.buf.numel():
+            raise ValueError(f"the KV arena holds {self.buf.numel()} bytes, this case needs {start + count * step} "
                              "(size it with KvArena.for_cases over every case the run times)")
-        return [self.buf[i * step:i * step + one].view(dtype).view(dims) for i in range(count)]
+        return [self.buf[start + i * step:start + i * step + one].view(dtype).view(dims) for i in range(count)]
 
 
 def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | None = None):
     """Independent copies of the case's cache (own K,V bytes and page permutation) and a
     query batch for each: rotated per call so the working set is far beyond the L2. With an
-    arena, the copies' 16-bit pools are its memory (filled in place)."""
+    arena, the copies' pools are its memory (filled in place; an FP8 case's e4m3 pools too)."""
+    import torch
+
     from pkv.core.cache import PagedCache
     from pkv.core.paging import assign_pages
 
@@ -109,10 +114,15 @@ def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | N
     copies = copies_for(case)
     lens = np.asarray(case.lens, dtype=np.int64)
     assignments = [assign_pages(lens, case.page_size, case.holes, seed + c) for c in range(copies)]
-    pools = ([None] * copies if arena is None
-             else arena.pools(pool_dims(case, assignments[0].num_pages), shape.torch_dtype, copies))
+    pools = pools8 = [None] * copies
+    if arena is not None:
+        dims = pool_dims(case, assignments[0].num_pages)
+        pools = arena.pools(dims, shape.torch_dtype, copies)
+        if shape.fp8:
+            behind = copies * _aligned(math.prod(dims) * shape.itemsize)   # the 16-bit pools' bytes
+            pools8 = arena.pools(dims, torch.float8_e4m3fn, copies, start=behind)
     caches = [PagedCache.random(shape, a, device=device, seed=seed + c, fp8_policy=case.fp8_policy or "tensor",
-                                out=pool)
-              for c, (a, pool) in enumerate(zip(assignments, pools))]
+                                out=pool, out8=pool8)
+              for c, (a, pool, pool8) in enumerate(zip(assignments, pools, pools8))]
     queries = [c.query(len(lens), seed + 100 + i) for i, c in enumerate(caches)]
     return caches, queries

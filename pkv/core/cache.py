@@ -34,12 +34,14 @@ class PagedCache:
 
     @classmethod
     def random(cls, shape: Shape, assignment: PageAssignment, device: str | torch.device = "cpu", seed: int = 0,
-               fp8_policy: str = "tensor", out: torch.Tensor | None = None) -> "PagedCache":
+               fp8_policy: str = "tensor", out: torch.Tensor | None = None,
+               out8: torch.Tensor | None = None) -> "PagedCache":
         """Standard-normal K and V in `shape.dtype`; an FP8 shape quantizes them with `fp8_policy`.
 
         `out` (a [num_pages, 2, H_kv, P, D] tensor of the 16-bit dtype, e.g. a view of a
         benchmark's KV pool) is filled in place instead of allocating, generated in that dtype
-        (no FP32 copy of the pool): the same distribution, other values than without it."""
+        (no FP32 copy of the pool): the same distribution, other values than without it. An FP8
+        shape quantizes into `out8` (e4m3, same dims) where given."""
         if assignment.page_size != shape.page_size:
             raise ValueError(f"assignment page size {assignment.page_size} != shape page size {shape.page_size}")
         dims = (assignment.num_pages, 2, shape.num_kv_heads, shape.page_size, shape.head_dim)
@@ -53,13 +55,14 @@ class PagedCache:
             kv = out.normal_(generator=torch.Generator(device=device).manual_seed(seed))
         table = assignment.block_table()
         cache = cls(replace(shape, kv_dtype="auto"), assignment, kv, torch.as_tensor(table, device=device), table)
-        return cache.quantized(fp8_policy) if shape.fp8 else cache
+        return cache.quantized(fp8_policy, out=out8) if shape.fp8 else cache
 
-    def quantized(self, policy: str = "tensor") -> "PagedCache":
-        """This 16-bit cache in FP8 e4m3 (pkv.core.fp8.quantize), same pages and block table."""
+    def quantized(self, policy: str = "tensor", out: torch.Tensor | None = None) -> "PagedCache":
+        """This 16-bit cache in FP8 e4m3 (pkv.core.fp8.quantize, into `out` where given), same
+        pages and block table."""
         if self.shape.fp8:
             raise ValueError("the cache is FP8 already")
-        kv8, scales = quantize(self.kv, policy)
+        kv8, scales = quantize(self.kv, policy, out=out)
         return PagedCache(replace(self.shape, kv_dtype="fp8"), self.assignment, kv8, self.block_table,
                           self.block_table_host, scales.to(self.device))
 

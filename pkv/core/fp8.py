@@ -26,6 +26,7 @@ E4M3_MAX = 448.0                       # largest finite e4m3fn value
 E4M3_STEP = 2.0 ** -3                  # spacing of e4m3's 3-bit mantissa: round-off <= step / 2, relative
 POLICIES = ("tensor", "page")
 _TINY = 1e-12                          # amax of an all-zero tensor or page: any scale represents it
+_CHUNK_PAGES = 2048                    # pages quantize holds in FP32 at a time: its temporaries stay small
 
 
 @dataclass(frozen=True)
@@ -62,26 +63,43 @@ def _to_e4m3(x: torch.Tensor) -> torch.Tensor:
     return x.clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
-def quantize(kv: torch.Tensor, policy: str = "tensor") -> tuple[torch.Tensor, KvScales]:
-    """kv [pages, 2, Hkv, P, D] (16-bit or FP32) -> (e4m3 kv of the same shape, its scales)."""
+def quantize(kv: torch.Tensor, policy: str = "tensor", out: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, KvScales]:
+    """kv [pages, 2, Hkv, P, D] (16-bit or FP32) -> (e4m3 kv of the same shape, its scales).
+
+    Into `out` (an e4m3 tensor of kv's shape and device, e.g. a benchmark's preallocated pool)
+    when given. Both passes (the amax, then the scaled cast) run over blocks of pages, so the
+    FP32 temporaries are a block's, not the cache's (a multi-GB pool would otherwise allocate
+    and free twice its size in FP32); max and the elementwise cast make the blocks' result
+    the whole tensor's, bit for bit."""
     if kv.dim() != 5 or kv.shape[1] != 2:
         raise ValueError(f"kv must be [num_pages, 2, Hkv, P, D], got {list(kv.shape)}")
     if not kv.dtype.is_floating_point or kv.dtype == E4M3:
         raise ValueError(f"quantize takes a 16- or 32-bit cache, got {kv.dtype}")
     if policy not in POLICIES:
         raise ValueError(f"FP8 scale policy must be one of {POLICIES}, got {policy!r}")
-    x = kv.float()
-    if not torch.isfinite(x).all():
-        raise ValueError("kv holds inf or NaN: it cannot be quantized")
-    amax = x.abs().amax(dim=(0, 2, 3, 4)).clamp_min(_TINY)            # [2]: K, V
+    if out is not None and (out.shape != kv.shape or out.dtype != E4M3 or out.device != kv.device):
+        raise ValueError(f"out must be a {E4M3} tensor of kv's shape {list(kv.shape)} on {kv.device}, got "
+                         f"{out.dtype} {list(out.shape)} on {out.device}")
+    blocks = [slice(i, i + _CHUNK_PAGES) for i in range(0, kv.shape[0], _CHUNK_PAGES)]
+    page_amax = []                                                    # [pages_b, 2, Hkv] each
+    for b in blocks:
+        x = kv[b].float()
+        if not torch.isfinite(x).all():
+            raise ValueError("kv holds inf or NaN: it cannot be quantized")
+        page_amax.append(x.abs().amax(dim=(3, 4)))
+    page_amax = torch.cat(page_amax).clamp_min(_TINY)
+    amax = page_amax.amax(dim=(0, 2))                                 # [2]: K, V
     k_scale, v_scale = (float(a) / E4M3_MAX for a in amax.tolist())
     if policy == "tensor":
         scales = KvScales("tensor", k_scale, v_scale)
     else:
-        page_amax = x.abs().amax(dim=(3, 4)).clamp_min(_TINY)          # [pages, 2, Hkv]
         scales = KvScales("page", k_scale, v_scale, (page_amax / amax.view(1, 2, 1)).contiguous())
-    per = scales.per_page().to(x.device)
-    return _to_e4m3(x / per[..., None, None]), scales
+    per = scales.per_page().to(kv.device)
+    out = torch.empty(kv.shape, dtype=E4M3, device=kv.device) if out is None else out
+    for b in blocks:
+        out[b] = _to_e4m3(kv[b].float() / (per if policy == "tensor" else per[b])[..., None, None])
+    return out, scales
 
 
 def write_pages(kv8: torch.Tensor, scales: KvScales, pages: torch.Tensor, values: torch.Tensor) -> None:
