@@ -5,8 +5,8 @@ Cases: homogeneous batch x context grids, ragged mixes, GQA group x head_dim poi
 with tensor scales and with per-page factors (`kv_dtype`, `fp8_policy`, `point` columns;
 pkv.report.fp8 pairs them).
 For each case and engine: device µs per call by CUDA-graph replay (one graph runs every KV
-copy once; copies rotate so the working set is beyond the L2; every case's 16-bit pools are
-carved from one buffer allocated once per process, `KvArena`), the fraction of the read
+copy once; copies rotate so the working set is beyond the L2; every case's KV pools, 16-bit
+and FP8, are carved from one buffer allocated once per process, `KvArena`), the fraction of the read
 roofline on useful K+V bytes, and the ratio of the faster FlashInfer variant to
 PersistentKV, all in one process. Parquet only; the table and figure come from the report.
 """
@@ -325,9 +325,10 @@ def run(args, command: str) -> int:
     probes = read_roofline()
     roofline = probes["roofline"]
     print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
-    # kv_pools tells the report how the KV copies were allocated (runs before the arena had none).
+    # kv_pools tells the report how the KV copies were allocated (runs before the arena had none;
+    # "arena": 16-bit pools only, before the FP8 ones were carved from it too).
     meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
-            "command": command, "kv_pools": "arena"}
+            "command": command, "kv_pools": "arena-fp8"}
     rows, t0 = [], time.time()
     arena = KvArena.for_cases(cases)   # every case's KV pools, allocated once (KvArena says why)
     for case in cases:

@@ -25,7 +25,9 @@ ENGINE = "pkv-graph"
 
 def pools_note(meta: dict) -> str:
     """How the run allocated its KV copies, as its metadata says (`pkv bench kernels`)."""
-    if meta.get("kv_pools") == "arena":
+    if meta.get("kv_pools") == "arena-fp8":
+        return " (16-bit and FP8 pools carved from one buffer allocated once, as a serving engine allocates its pool)"
+    if meta.get("kv_pools") == "arena":   # runs before 6890e31: each FP8 copy allocated with its case
         return " (16-bit pools carved from one buffer allocated once, as a serving engine allocates its pool)"
     return ""
 
