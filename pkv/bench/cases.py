@@ -62,14 +62,19 @@ def pool_dims(case: Case, num_pages: int) -> tuple[int, ...]:
     return (num_pages, 2, case.num_kv_heads, case.page_size, case.head_dim)
 
 
+def pools_span(dims: tuple[int, ...], itemsize: int, count: int) -> int:
+    """Arena bytes of `count` [dims] pools of `itemsize`-byte elements, each aligned."""
+    return count * _aligned(math.prod(dims) * itemsize)
+
+
 def pool_bytes(case: Case) -> int:
     """Bytes of the KV pools of the case's copies (with its holes: every physical page): the
     16-bit pools, and behind them an FP8 case's e4m3 pools."""
     from pkv.core.paging import assign_pages
 
     pages = assign_pages(np.asarray(case.lens, dtype=np.int64), case.page_size, case.holes, 0).num_pages
-    elems = math.prod(pool_dims(case, pages))
-    return copies_for(case) * (_aligned(elems * case.shape.itemsize) + (_aligned(elems) if case.shape.fp8 else 0))
+    dims, copies = pool_dims(case, pages), copies_for(case)
+    return pools_span(dims, case.shape.itemsize, copies) + (pools_span(dims, 1, copies) if case.shape.fp8 else 0)
 
 
 class KvArena:
@@ -92,9 +97,8 @@ class KvArena:
 
     def pools(self, dims: tuple[int, ...], dtype, count: int, start: int = 0) -> list:
         """`count` disjoint [dims] tensors of `dtype` from byte `start` of the buffer (the last
-        case's are overwritten); the next free byte is start + count * (one pool, aligned)."""
-        one = math.prod(dims) * dtype.itemsize
-        step = _aligned(one)
+        case's are overwritten); the next free byte is start + pools_span(dims, dtype.itemsize, count)."""
+        one, step = math.prod(dims) * dtype.itemsize, pools_span(dims, dtype.itemsize, 1)
         if start + count * step > self.buf.numel():
             raise ValueError(f"the KV arena holds {self.buf.numel()} bytes, this case needs {start + count * step} "
                              "(size it with KvArena.for_cases over every case the run times)")
@@ -119,7 +123,7 @@ def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | N
         dims = pool_dims(case, assignments[0].num_pages)
         pools = arena.pools(dims, shape.torch_dtype, copies)
         if shape.fp8:
-            behind = copies * _aligned(math.prod(dims) * shape.itemsize)   # the 16-bit pools' bytes
+            behind = pools_span(dims, shape.itemsize, copies)   # the 16-bit pools' bytes
             pools8 = arena.pools(dims, torch.float8_e4m3fn, copies, start=behind)
     caches = [PagedCache.random(shape, a, device=device, seed=seed + c, fp8_policy=case.fp8_policy or "tensor",
                                 out=pool, out8=pool8)
