@@ -45,7 +45,7 @@ import torch
 from pkv.engines.table import pkv_engines, pkv_routes
 from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
 from pkv.measure.loop import Job, measure
-from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin
+from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin, with_device_scale
 from pkv.measure.sweep_rows import device_s, grid_rows, measured_s, replayed
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
@@ -372,7 +372,8 @@ def calibrate(cfg: Config | dict) -> tuple[dict, pd.DataFrame]:
     }
     frame = sweep(t, Constants.from_dict(constants))
     constants = fit_constants(constants, frame, list(t.baselines), shape.kv_bytes_per_token, shape.num_kv_heads)
+    device, scheduled = device_by_step(frame), sorted(scheduled_routes().values())
+    constants = with_device_scale(t, constants, device, scheduled)   # before the margin: it is fitted on them
     if t.policy.fit_overlapped_margin:
-        fit = fit_overlapped_margin(t, constants, device_by_step(frame), sorted(scheduled_routes().values()))
-        constants.update(fit or {})
+        constants.update(fit_overlapped_margin(t, constants, device, scheduled) or {})
     return constants, frame

@@ -1,5 +1,11 @@
-"""The overlapped objective's promotion margin, fitted at calibration on the calibration seed
-(`policy.fit_overlapped_margin: true`).
+"""The router replayed over the calibration seed's measured steps: each operating point's
+device scales (Router v4.3) and the overlapped objective's promotion margin
+(`policy.fit_overlapped_margin: true`), both fitted at calibration.
+
+Device scales (`with_device_scale`): at each serving point, every route's measured device time
+over its estimate, summed over the point's steps (the split-0 run's graph replays), stored as
+`operating_points[point]["device_scale"]`; `Constants.at` applies it (pkv.plan.costmodel
+says why). The margin is fitted after them, on the scaled estimates.
 
 A margin m keeps FlashInfer wherever the best PersistentKV estimate is less than m times
 cheaper. Set by argument, it was wrong: 1.05 (the fits' combined error) kept FlashInfer-TC
@@ -64,6 +70,36 @@ def estimates_by_step(cfg: Config, k: Constants, scheduled: list[str]) -> dict:
         out[(p.family, p.max_active)] = [(st.step, router.decide(st.request_ids, st.seq_lens).estimates)
                                          for st in steps_of(trace, p.max_active, cfg.calibration.max_steps)]
     return out
+
+
+def fit_device_scale(estimates: dict, device: dict) -> dict:
+    """(family, max_active) -> {route: measured / estimated device seconds, each summed over
+    the point's steps measured for that route}; routes without a positive sum are left out."""
+    out = {}
+    for point, steps in estimates.items():
+        dev, scales = device.get(point, {}), {}
+        for route in sorted({r for _, est in steps for r in est}):
+            times = dev.get(route, {})
+            pairs = [(est[route], times[s]) for s, est in steps if route in est and s in times]
+            est_s, meas_s = sum(e for e, _ in pairs), sum(m for _, m in pairs)
+            if est_s > 0 and meas_s > 0 and math.isfinite(meas_s / est_s):
+                scales[route] = float(meas_s / est_s)
+        if scales:
+            out[point] = scales
+    return out
+
+
+def with_device_scale(cfg: Config | dict, constants: dict, device: dict, scheduled: list[str]) -> dict:
+    """`constants` with each serving point's `device_scale` (fit_device_scale of the unscaled
+    estimates against `device`, device_by_step of the sweep); as given without measured steps."""
+    if not device:
+        return constants
+    points = {p: {k: v for k, v in op.items() if k != "device_scale"}
+              for p, op in constants.get("operating_points", {}).items()}
+    k = Constants.from_dict({**constants, "operating_points": points})
+    for (family, batch), scales in fit_device_scale(estimates_by_step(Config.of(cfg), k, scheduled), device).items():
+        points.setdefault(point_key(family, batch), {})["device_scale"] = scales
+    return {**constants, "operating_points": points}
 
 
 def score(estimates: dict, device: dict, baselines: list[str], margin: float) -> dict:

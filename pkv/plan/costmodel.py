@@ -45,6 +45,16 @@ the split grid, and the event span around run() holds the host's submission of t
 (40-70 us on the H200): it put the workqueue at 72.6 us on homogeneous B1 against 50.4 us of
 graph replay (results at 4c7ddb8), so the overlapped router never took a v3 route.
 
+A route's device estimate at a calibrated operating point is multiplied by that point's
+`device_scale` for the route (calibrated since Router v4.3): measured over estimated device
+time, summed over the calibration seed's steps of that point (pkv.measure.overlapped_margin).
+One closed form per route leaves errors that are systematic per trace family, of the size of
+the differences between the routes (the reference run at 31fbef4, replayed: the workqueue 3.5 %
+over its estimate on Zipf B8, the bucket 7.5 % over on homogeneous B1, pkv-graph 3 % under on
+uniform B8, and the held-out seeds' errors within 1-4 % of those), so the overlapped router took
+v3 routes that ran 3-3.5 % slower than pkv-graph. Points without a scale (traces outside the
+serving grid, older constants) keep factor 1.
+
 The objective says what a step costs: `serial` (device + H_r: the paper's synchronized
 loop, the default) or `overlapped` (device time only: a scheduler that hides host work
 behind the GPU). The overlapped objective promotes by its own margins where the config sets
@@ -180,6 +190,7 @@ class Constants:
     baseline_fit: dict = field(default_factory=dict)       # FlashInfer route -> BaselineFit; absent: roofline
     route_fit: dict = field(default_factory=dict)          # "bucket"/"workqueue" -> RouteFit; absent: roofline
     overlapped_margins: tuple = ()                         # the overlapped objective's margins; empty: `margins`
+    device_scale: dict = field(default_factory=dict)       # route -> factor on its device estimate (set by `at`)
 
     def __post_init__(self) -> None:
         if self.beta <= 0 or self.launch_s < 0 or self.sm_count < 1 or self.c_min <= 0:
@@ -187,6 +198,8 @@ class Constants:
                              f"sm_count={self.sm_count}, c_min={self.c_min}")
         if any(v < 0 for v in self.host_s.values()):
             raise ValueError(f"negative host time in {self.host_s}")
+        if not all(0 < v < float("inf") for v in self.device_scale.values()):
+            raise ValueError(f"device scale out of range: {self.device_scale}")
         if not self.baseline_ctas_per_head:
             raise ValueError("constants name no baseline route")
 
@@ -210,9 +223,14 @@ class Constants:
     def at(self, point: str) -> "Constants":
         """These constants as the router applies them at operating point `point`: its own
         host times (H_r measured at that point, `operating_points[point]["host_s"]`) over
-        the global medians. Constants without per-point host times are returned as is."""
-        local = self.operating_points.get(point, {}).get("host_s")
-        return dataclasses.replace(self, host_s={**self.host_s, **local}) if local else self
+        the global medians, and its routes' device scales (`operating_points[point]
+        ["device_scale"]`, Router v4.3). Constants without either are returned as is."""
+        here = self.operating_points.get(point, {})
+        local, scale = here.get("host_s"), here.get("device_scale")
+        if not local and not scale:
+            return self
+        return dataclasses.replace(self, host_s={**self.host_s, **(local or {})},
+                                   device_scale={r: float(v) for r, v in (scale or {}).items()})
 
     @classmethod
     def from_dict(cls, d: dict) -> "Constants":
@@ -275,7 +293,8 @@ def check_objective(objective: str) -> str:
 
 
 def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
-    """T_r of `cost`: device time (the route's fit, else the roofline) plus H_r when serial."""
+    """T_r of `cost`: device time (the route's fit, else the roofline; times the point's
+    device scale) plus H_r when serial."""
     if cost.route == GRAPH:
         if k.graph is None:
             raise ValueError("these constants have no pkv-graph fit (calibrated before Router v4)")
@@ -287,6 +306,7 @@ def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
     else:
         stall = occupancy_stall(cost.ctas, k.sm_count, k.c_min)
         device = cost.kv_bytes / k.beta * stall + cost.launches * k.launch_s + cost.merge_bytes / k.beta
+    device *= k.device_scale.get(cost.route, 1.0)
     return device + k.host_s.get(cost.route, 0.0) if objective == "serial" else device
 
 
