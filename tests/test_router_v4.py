@@ -65,7 +65,9 @@ def test_graph_counts_are_the_device_rule(lens, h, num_ctas, min_tiles, repeat, 
         lens = lens[: len(lens) // 2 + 1] * 2
     if sum(lens) == 0:
         lens = [*lens[:-1], 1]
-    assert graph_counts(lens, h, num_ctas, min_tiles, piece_cost) == _oracle(lens, h, num_ctas, min_tiles, piece_cost)
+    want = _oracle(lens, h, num_ctas, min_tiles, piece_cost)
+    assert graph_counts(lens, h, num_ctas, min_tiles, piece_cost) == want          # a list: the plain-int path
+    assert graph_counts(np.asarray(lens), h, num_ctas, min_tiles, piece_cost) == want   # an array: numpy's
 
 
 @pytest.mark.parametrize("seed", range(12))

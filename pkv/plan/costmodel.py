@@ -86,6 +86,7 @@ from pkv.core.shape import Shape
 
 OBJECTIVES = ("serial", "overlapped")   # the words of pkv.engines.table.ENUM_OPTIONS["objective"]
 GRAPH = "graph"                          # pkv-graph's route key (pkv.engines.table.pkv_routes)
+SMALL_ROWS = 48                          # up to this many rows, plain Python ints beat numpy's per-call overhead
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,10 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
     (pkv.plan.device_schedule: n CTAs take equal ranges of the step's units, a segment's
     tiles after its set-up units; a segment that a range boundary falls inside its tiles
     is cut, and each of its pieces leaves one partial state to merge). Equal to what
-    graph_pieces lists (tests/test_router_v4.py), without listing the pieces: O(n) numpy on a miss."""
+    graph_pieces lists (tests/test_router_v4.py), without listing the pieces: plain ints for a list of
+    up to SMALL_ROWS rows without set-up units (the router's misses), else O(n) numpy."""
+    if piece_cost == 0 and isinstance(seq_lens, list) and len(seq_lens) <= SMALL_ROWS:
+        return _graph_counts_small(seq_lens, num_kv_heads, num_ctas, min_tiles)
     tiles = (np.asarray(seq_lens, dtype=np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
     h = num_kv_heads
     work = int(tiles.sum()) * h
@@ -386,6 +390,35 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
     seg = rows[inside] * h + offset[inside] // t[inside]     # non-decreasing: bounds are sorted
     cut_segments = int(np.count_nonzero(seg[1:] != seg[:-1])) + 1
     return ctas, cuts + cut_segments                       # a segment cut k times has k + 1 pieces
+
+
+def _graph_counts_small(lens: list, h: int, num_ctas: int, min_tiles: int) -> tuple[int, int]:
+    """graph_counts without set-up units, in plain ints for a few rows (a router miss): each
+    segment's cuts counted in closed form. The range boundaries are b_j = j * U // n (j = 1 ..
+    n - 1), so those strictly inside a segment's units (S, S + t) are the j from
+    ceil((S + 1) n / U) to ceil((S + t) n / U) - 1."""
+    tiles = [-(-n // TILE_TOKENS) for n in lens]
+    units = sum(tiles) * h
+    if units == 0:
+        return 0, 0
+    n = min(num_ctas, -(-units // min_tiles))
+    segments = sum(1 for t in tiles if t) * h
+    if segments <= n:
+        n = n // segments * segments
+    if n == 1:
+        return 1, 0
+    # first >= 1 and last <= n - 1 hold by themselves (start >= 0, start + t <= U).
+    cuts = cut_segments = start = 0
+    for t in tiles:
+        if not t:
+            continue
+        for _ in range(h):
+            inside = (-(-(start + t) * n // units)) - (-(-(start + 1) * n // units))   # last - first + 1
+            if inside > 0:
+                cuts += inside
+                cut_segments += 1
+            start += t
+    return n, cuts + cut_segments
 
 
 def _setup_only(bounds, units: int, ends, seg_units, setup, h: int) -> int:
@@ -467,7 +500,7 @@ class Router:
     `objective` is "serial" or "overlapped" (module docstring).
     """
 
-    SMALL = 48          # up to this many rows, plain Python beats numpy's per-call overhead
+    SMALL = SMALL_ROWS
     FEW = 16            # up to this many rows, the longest row by Python's max (the cache key)
     MAX_ENTRIES = 4096
 
@@ -535,7 +568,7 @@ class Router:
                 cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches,
                                        float(merged * self.h * self.slot)))
             if self.graph:
-                ctas, states = graph_counts(seq_lens, self.h, *self.graph)
+                ctas, states = graph_counts(lens if small else seq_lens, self.h, *self.graph)
                 cands.append(RouteCost(GRAPH, kv_bytes, float(ctas), 1, float(states * self.slot)))
         return choose(base, cands, active, self.k, self.objective)
 
