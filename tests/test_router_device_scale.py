@@ -54,11 +54,16 @@ def test_a_scale_moves_the_decision_between_near_routes():
     assert scaled.estimates["reference"] == pytest.approx(plain.estimates["reference"])
 
 
-@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf")])
-def test_a_scale_out_of_range_is_refused(bad):
-    k = cpu_constants(operating_points={"p": {"bucket": 4, "workqueue": 4, "device_scale": {"graph": bad}}})
-    with pytest.raises(ValueError, match="device scale out of range"):
-        k.at("p")
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf"), "1.1"])
+def test_a_scale_out_of_range_is_refused_on_load(bad, tmp_path):
+    with pytest.raises(ValueError, match="device scale out of range at p"):
+        cpu_constants(operating_points={"p": {"bucket": 4, "workqueue": 4, "device_scale": {"graph": bad}}})
+    d = json.loads(COMMITTED.read_text())
+    d["operating_points"]["zipf-b8"]["device_scale"] = {"graph": bad}
+    path = tmp_path / "constants.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"constants\.json: .*device scale out of range at zipf-b8"):
+        Constants.load(path)
 
 
 def test_without_measured_steps_the_constants_are_kept():

@@ -199,8 +199,10 @@ class Constants:
                              f"sm_count={self.sm_count}, c_min={self.c_min}")
         if any(v < 0 for v in self.host_s.values()):
             raise ValueError(f"negative host time in {self.host_s}")
-        if not all(0 < v < float("inf") for v in self.device_scale.values()):
-            raise ValueError(f"device scale out of range: {self.device_scale}")
+        for where, scale in [("", self.device_scale), *((f" at {p}", op.get("device_scale") or {})
+                                                          for p, op in self.operating_points.items())]:
+            if not all(isinstance(v, (int, float)) and 0 < v < float("inf") for v in scale.values()):
+                raise ValueError(f"device scale out of range{where}: {scale}")
         if not self.baseline_ctas_per_head:
             raise ValueError("constants name no baseline route")
 
