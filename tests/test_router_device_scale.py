@@ -16,6 +16,7 @@ from pkv.measure.calibrate import scheduled_routes
 from pkv.measure.overlapped_margin import device_by_step, estimates_by_step, fit_device_scale, with_device_scale
 from pkv.config.typed import Config
 from pkv.plan.costmodel import Constants, RouteCost, choose, estimate
+from pkv.report.router import margin_sentence
 
 from router_constants import cpu_constants
 
@@ -90,3 +91,13 @@ def test_the_committed_sweep_scales_every_point_to_its_measured_time():
             assert total == pytest.approx(sum(measured[s] for s, _ in steps if s in measured), rel=1e-9)
     # Refitting scaled constants starts from the unscaled estimates: the same scales again.
     assert with_device_scale(cfg, got, device, scheduled) == got
+
+
+def test_the_router_table_names_the_scales_where_the_constants_carry_them():
+    constants = json.loads(COMMITTED.read_text())
+    plain = margin_sentence(constants)
+    assert "Router v4.3" not in plain                      # committed constants: the table as committed
+    constants["operating_points"]["zipf-b8"]["device_scale"] = {"graph": 1.068, "workqueue": 0.971}
+    constants["operating_points"]["uniform-b8"]["device_scale"] = {"graph": 0.969}
+    scaled = margin_sentence(constants)
+    assert scaled.startswith(plain) and "(0.969-1.068; Router v4.3)" in scaled
