@@ -79,7 +79,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.plan.device_schedule import PIECE_COST, setup_units
+from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
 from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, slot_bytes, workqueue_chunk, workqueue_row_splits
 from pkv.core.shape import Shape
 
@@ -370,10 +370,7 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
     work = int(tiles.sum()) * h
     if work == 0:
         return 0, 0
-    n = min(num_ctas, -(-work // min_tiles))
-    segments = int(np.count_nonzero(tiles)) * h
-    if segments <= n:
-        n = n // segments * segments
+    n = grid_ctas(work, int(np.count_nonzero(tiles)) * h, num_ctas, min_tiles)
     if n == 1:
         return 1, 0
     setup = setup_units(tiles, n, work, piece_cost)
@@ -403,10 +400,7 @@ def _graph_counts_small(lens: list, h: int, num_ctas: int, min_tiles: int) -> tu
     units = sum(tiles) * h
     if units == 0:
         return 0, 0
-    n = min(num_ctas, -(-units // min_tiles))
-    segments = sum(1 for t in tiles if t) * h
-    if segments <= n:
-        n = n // segments * segments
+    n = grid_ctas(units, sum(1 for t in tiles if t) * h, num_ctas, min_tiles)
     if n == 1:
         return 1, 0
     # first >= 1 and last <= n - 1 hold by themselves (start >= 0, start + t <= U).

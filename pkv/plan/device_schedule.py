@@ -86,9 +86,13 @@ def active_ctas(seq_lens: np.ndarray, num_kv_heads: int, num_ctas: int, min_tile
     """CTAs that get work: at most the grid, no range under min_tiles, and with fewer
     segments than CTAs a multiple of the segment count (no CTA straddles two segments)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
-    work = int(num_tiles(lens).sum()) * num_kv_heads
+    return grid_ctas(int(num_tiles(lens).sum()) * num_kv_heads, int((lens > 0).sum()) * num_kv_heads,
+                     num_ctas, min_tiles)
+
+
+def grid_ctas(work: int, segments: int, num_ctas: int, min_tiles: int) -> int:
+    """active_ctas from the step's counts (tiles x KV heads, non-empty segments), in plain ints."""
     n = min(num_ctas, -(-work // min_tiles))
-    segments = int((lens > 0).sum()) * num_kv_heads
     if 0 < segments <= n:
         n = n // segments * segments
     return n
