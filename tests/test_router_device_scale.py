@@ -101,3 +101,5 @@ def test_the_router_table_names_the_scales_where_the_constants_carry_them():
     constants["operating_points"]["uniform-b8"]["device_scale"] = {"graph": 0.969}
     scaled = margin_sentence(constants)
     assert scaled.startswith(plain) and "(0.969-1.068; Router v4.3)" in scaled
+    without_fit = {k: v for k, v in constants.items() if k != "overlapped_margin_fit"}
+    assert margin_sentence(without_fit).endswith(scaled[len(plain):])   # whatever the margin's source

@@ -277,18 +277,26 @@ def margin_sentence(constants: dict) -> str:
     """Where the overlapped objective's margin came from: fitted at calibration
     (pkv.measure.overlapped_margin), the config's, or the serial margins; and, where the
     constants carry them (Router v4.3), the span of the points' device scales."""
+    return _margin_source(constants) + _scale_sentence(constants)
+
+
+def _margin_source(constants: dict) -> str:
     fit = constants.get("overlapped_margin_fit")
-    scales = [v for op in constants.get("operating_points", {}).values() for v in (op.get("device_scale") or {}).values()]
-    scaled = (f" Each route's device estimate at a serving point is scaled by its measured / estimated time on "
-              f"that seed ({min(scales):.3f}-{max(scales):.3f}; Router v4.3)." if scales else "")
     if fit:
         return (f"Its margin, {fit['margin']:.2f}, was fitted at calibration on seed {constants.get('calibration_seed')} "
-                f"(the router replayed over that seed's steps: worst point {fit['worst']:.3f} of its best fixed route)."
-                + scaled)
+                f"(the router replayed over that seed's steps: worst point {fit['worst']:.3f} of its best fixed route).")
     rows = constants.get("overlapped_margins")
     if rows:
         return "Its margins (the config's): " + ", ".join(f"{m['margin']} up to {m['max_active']} rows" for m in rows) + "."
     return "It promotes by the serial objective's margins."
+
+
+def _scale_sentence(constants: dict) -> str:
+    scales = [v for op in constants.get("operating_points", {}).values() for v in (op.get("device_scale") or {}).values()]
+    if not scales:
+        return ""
+    return (f" Each route's device estimate at a serving point is scaled by its measured / estimated time on the "
+            f"calibration seed {constants.get('calibration_seed')} ({min(scales):.3f}-{max(scales):.3f}; Router v4.3).")
 
 
 def accuracy_png(root: Path, constants: Path | None = None) -> bytes:
