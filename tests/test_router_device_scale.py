@@ -95,8 +95,10 @@ def test_the_committed_sweep_scales_every_point_to_its_measured_time():
 
 def test_the_router_table_names_the_scales_where_the_constants_carry_them():
     constants = json.loads(COMMITTED.read_text())
+    for point in constants["operating_points"].values():   # constants before Router v4.3: no scales
+        point.pop("device_scale", None)
     plain = margin_sentence(constants)
-    assert "Router v4.3" not in plain                      # committed constants: the table as committed
+    assert "Router v4.3" not in plain
     constants["operating_points"]["zipf-b8"]["device_scale"] = {"graph": 1.068, "workqueue": 0.971}
     constants["operating_points"]["uniform-b8"]["device_scale"] = {"graph": 0.969}
     scaled = margin_sentence(constants)
