@@ -93,8 +93,8 @@ def test_closed_form_costs_match_the_schedules(lens, splits, min_tiles, kv_heads
     for cost, schedule in ((bucket_cost, bucket_schedule), (workqueue_cost, workqueue_schedule)):
         c = schedule(lens, kv_heads, policy).counters(shape, lens, 1)
         got = cost(shape, lens, policy)
-        assert (got.ctas, got.launches, got.merge_bytes, got.kv_bytes) == (
-            c.decode_ctas, c.launches, c.merge_bytes, c.read_kv_bytes), cost.__name__
+        assert (got.ctas, got.launches, got.merge_bytes, got.kv_bytes, got.task_bytes) == (
+            c.decode_ctas, c.launches, c.merge_bytes, c.read_kv_bytes, c.task_kv_bytes), cost.__name__
 
 
 def test_b1_long_context_routes_to_persistentkv_splitting():

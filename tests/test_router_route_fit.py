@@ -23,7 +23,7 @@ from pkv.core.shape import Shape
 from pkv.measure.calibrate import fit_constants, fit_device_terms, fit_host_s, fit_route, operating_points
 from pkv.plan.costmodel import (OBJECTIVES, Constants, RouteCost, RouteFit, Router, bucket_cost, estimate,
                                 workqueue_cost)
-from pkv.plan.schedule import SplitPolicy
+from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, num_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "calibration" / "constants.json"
@@ -49,6 +49,7 @@ def _rows(engine: str, kind: str, fit: RouteFit, n=240, seed=0, split=0, host=2e
         out.append({"engine": engine, "family": "bimodal", "max_active": 8, "split": split, "step": i,
                     "active": len(lens), "total_tokens": int(lens.sum()), "useful_kv_bytes": c.kv_bytes,
                     "decode_ctas": c.ctas, "merge_bytes": c.merge_bytes, "launches": c.launches,
+                    "task_kv_bytes": c.task_bytes,
                     "graph_s": device, "cuda_s": device + launch, "wall_s": device + launch + host})
     return pd.DataFrame(out)
 
@@ -68,6 +69,28 @@ def test_the_fit_recovers_known_coefficients_from_the_replayed_split_0_rows():
     assert fit_route(frame, "pkv-bucket", SMS) is None
 
 
+def test_the_fit_recovers_the_longest_task_term_and_older_rows_fit_none():
+    """Router v4.4: with few CTAs a step waits for its longest task. The fit recovers that
+    term's coefficient; rows without the column (sweeps before v4.4) fit it as 0, and
+    constants without the key load with 0 (their estimates unchanged)."""
+    fit = dataclasses.replace(WORKQUEUE, c_min=0.5, s_per_task_byte=6e-12)
+    frame = _rows("pkv-workqueue", "workqueue", fit, seed=11)
+    got = fit_route(frame, "pkv-workqueue", SMS)
+    for key in RouteFit.KEYS:
+        assert got[key] == pytest.approx(getattr(fit, key), rel=1e-6, abs=1e-18), key
+    older = fit_route(frame.drop(columns=["task_kv_bytes"]), "pkv-workqueue", SMS)
+    assert older["s_per_task_byte"] == 0.0 and older["rms_log_err"] > 1e-3
+    legacy = {key: getattr(WORKQUEUE, key) for key in RouteFit.KEYS if key != "s_per_task_byte"}
+    assert RouteFit.from_dict(legacy) == WORKQUEUE and WORKQUEUE.s_per_task_byte == 0.0
+    lens = np.array([30000, 900, 700, 500])
+    c = workqueue_cost(SHAPE, lens, SplitPolicy(8, 4))
+    # The longest row's 8 chunks are the longest tasks: ceil(tiles / 8) tiles of one KV head.
+    assert c.task_bytes == -(-num_tiles(30000) // 8) * TILE_TOKENS * SHAPE.kv_bytes_per_head_token
+    assert fit.device_s(c, SMS) - WORKQUEUE.device_s(c, SMS) == pytest.approx(
+        c.kv_bytes * WORKQUEUE.s_per_kv_byte * (max(1, 0.5 / (c.ctas / SMS)) - max(1, 0.8 / (c.ctas / SMS)))
+        + c.task_bytes * 6e-12, rel=1e-9)
+
+
 def test_a_fit_that_prices_some_step_at_zero_is_no_fit():
     """Timings explained by merge bytes alone (the CPU smoke's can be) would cost a step
     without a split at zero: no route fit then, the shared roofline instead."""
@@ -85,17 +108,24 @@ def test_a_fit_that_prices_some_step_at_zero_is_no_fit():
 
 
 def test_estimates_use_the_route_fit_under_both_objectives():
-    k = dataclasses.replace(Constants.load(COMMITTED), route_fit={"workqueue": WORKQUEUE, "bucket": BUCKET},
-                            host_s={"workqueue": 2e-4, "bucket": 1.5e-4})
-    lens = np.array([40000, 3000, 65000, 9000, 1000, 33000, 2000, 5000], dtype=np.int32)
+    # With the longest task's term (v4.4): the router's plain-int (8 rows) and numpy (60 rows)
+    # counts of it are the cost functions'.
+    fits = {"workqueue": dataclasses.replace(WORKQUEUE, s_per_task_byte=5e-12),
+            "bucket": dataclasses.replace(BUCKET, s_per_task_byte=7e-12)}
+    k = dataclasses.replace(Constants.load(COMMITTED), route_fit=fits, host_s={"workqueue": 2e-4, "bucket": 1.5e-4})
+    few = np.array([40000, 3000, 65000, 9000, 1000, 33000, 2000, 5000], dtype=np.int32)
+    many = np.random.default_rng(2).integers(1, 70000, size=60).astype(np.int32)
     policies = {"bucket": SplitPolicy(16, 4), "workqueue": SplitPolicy(12, 4)}
-    for objective in OBJECTIVES:
-        router = Router(SHAPE, k, list(k.baseline_ctas_per_head), policies, cache=False, objective=objective)
-        got = router.decide(np.arange(len(lens)), lens).estimates
-        for kind, cost, fit in (("bucket", bucket_cost, BUCKET), ("workqueue", workqueue_cost, WORKQUEUE)):
-            c = cost(SHAPE, lens, policies[kind])
-            want = fit.device_s(c, k.sm_count) + (k.host_s[kind] if objective == "serial" else 0.0)
-            assert got[kind] == pytest.approx(want, rel=1e-12) == estimate(c, k, objective)
+    for lens in (few, many):
+        for objective in OBJECTIVES:
+            router = Router(SHAPE, k, list(k.baseline_ctas_per_head), policies, cache=False, objective=objective)
+            got = router.decide(np.arange(len(lens)), lens).estimates
+            for kind, cost in (("bucket", bucket_cost), ("workqueue", workqueue_cost)):
+                c = cost(SHAPE, lens, policies[kind])
+                assert c.task_bytes > 0
+                want = fits[kind].device_s(c, k.sm_count) + (k.host_s[kind] if objective == "serial" else 0.0)
+                assert got[kind] == pytest.approx(want, rel=1e-12) == estimate(c, k, objective)
+    lens = few
     # Without the fit (constants calibrated before v4.2): the shared roofline (C_min, lambda).
     assert set(Constants.load(COMMITTED).route_fit) == {"workqueue", "bucket"}
     old = dataclasses.replace(Constants.load(COMMITTED), route_fit={})

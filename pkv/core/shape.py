@@ -80,7 +80,12 @@ class Shape:
     @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V one token occupies across all KV heads (scales not counted)."""
-        return 2 * self.num_kv_heads * self.head_dim * self.kv_itemsize
+        return self.num_kv_heads * self.kv_bytes_per_head_token
+
+    @property
+    def kv_bytes_per_head_token(self) -> int:
+        """Bytes of K and V one token occupies in one KV head: what one task reads per token."""
+        return 2 * self.head_dim * self.kv_itemsize
 
     @classmethod
     def from_config(cls, cfg: dict) -> "Shape":

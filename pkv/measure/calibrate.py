@@ -270,7 +270,12 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
     Router v4.2) or where the fit would price a step at zero: T = fixed + KV bytes * a *
     max(1, C / occupancy) + merge bytes * b + launches * l, the coefficients non-negative and
     minimizing the squared relative error against the device time, C the best of the
-    FIT_C_MIN grid (occupancy = decode CTAs / SMs)."""
+    FIT_C_MIN grid (occupancy = decode CTAs / SMs).
+
+    Router v4.4 adds + the longest task's KV bytes * t (`task_kv_bytes`, one CTA's read): with
+    fewer CTAs than SMs the step waits for its longest task, which total bytes over occupancy
+    do not see (the reference run at a881d96: the workqueue at 88 CTAs ran 10 % over its
+    v4.3 estimate on a held-out bimodal B4 seed). Rows without the column fit t = 0."""
     rows = frame[(frame["engine"] == engine) & (frame["split"] == 0) & frame["decode_ctas"].notna()]
     rows = replayed(rows)
     if rows.empty:
@@ -278,7 +283,9 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
     measured = device_s(rows)
     kv = rows["useful_kv_bytes"].to_numpy(dtype=float)
     occupancy = rows["decode_ctas"].to_numpy(dtype=float) / sm_count
-    rest = [rows["merge_bytes"].to_numpy(dtype=float), rows["launches"].to_numpy(dtype=float)]
+    task = rows["task_kv_bytes"].fillna(0.0) if "task_kv_bytes" in rows else pd.Series(0.0, index=rows.index)
+    rest = [rows["merge_bytes"].to_numpy(dtype=float), rows["launches"].to_numpy(dtype=float),
+            task.to_numpy(dtype=float)]
     best = None
     for c_min in FIT_C_MIN:
         stall = _stall(occupancy, c_min)
@@ -288,12 +295,12 @@ def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
         if best is None or loss < best[0]:
             best = (loss, c_min, x, features)
     _, c_min, x, features = best
-    if float(np.min(features[:, [0, 1, 3]] @ x[[0, 1, 3]])) <= 1e-3 * float(measured.min()):
+    if float(np.min(features[:, [0, 1, 3, 4]] @ x[[0, 1, 3, 4]])) <= 1e-3 * float(measured.min()):
         # Every step has KV bytes and a launch: a fit whose fixed, byte and launch terms come
         # to ~nothing prices a step without a split at zero (the CPU smoke's timings can do
         # that). No fit is better: the shared roofline costs the route, as without split-0 rows.
         return None
-    fit = RouteFit(float(x[0]), float(x[1]), float(c_min), float(x[2]), float(x[3]))
+    fit = RouteFit(float(x[0]), float(x[1]), float(c_min), float(x[2]), float(x[3]), float(x[4]))
     err = _rms_log_err(features @ x, measured)
     return {**{key: getattr(fit, key) for key in RouteFit.KEYS}, "rows": int(len(rows)), "rms_log_err": err}
 

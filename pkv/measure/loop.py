@@ -48,13 +48,13 @@ COLUMNS = {
     "max_abs_err": "float64", "mean_abs_err": "float64", "ref_max_abs_err": "float64", "ref_mean_abs_err": "float64",
     "launches": "int32", "decode_launches": "float64", "merge_launches": "float64", "extra_launches": "float64",
     "decode_ctas": "float64", "empty_ctas": "float64", "cta_work_per_sm": "float64",
-    "useful_kv_bytes": "float64", "read_kv_bytes": "float64", "merge_bytes": "float64",
+    "useful_kv_bytes": "float64", "read_kv_bytes": "float64", "merge_bytes": "float64", "task_kv_bytes": "float64",
 }
 # The columns that are measured times (the rest are keys, counters, routes, errors and model
 # estimates): two runs of the same jobs agree on everything but these.
 MEASURED_TIMES = ("wall_s", "cuda_s", "graph_s", "route_s")
 COUNTER_FIELDS = ("decode_launches", "merge_launches", "extra_launches", "decode_ctas", "empty_ctas",
-                  "useful_kv_bytes", "read_kv_bytes", "merge_bytes")
+                  "useful_kv_bytes", "read_kv_bytes", "merge_bytes", "task_kv_bytes")
 
 
 class CorrectnessError(ValueError):

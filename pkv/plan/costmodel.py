@@ -80,7 +80,8 @@ from pathlib import Path
 import numpy as np
 
 from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
-from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, slot_bytes, workqueue_chunk, workqueue_row_splits
+from pkv.plan.schedule import (TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, task_tokens, workqueue_chunk,
+                               workqueue_row_splits)
 from pkv.core.shape import Shape
 
 
@@ -156,21 +157,24 @@ class RouteFit:
     c_min: float              # occupancy target, decode CTAs per SM, below which streaming stalls
     s_per_merge_byte: float   # per partial-state byte (written, then merged)
     s_per_launch: float       # per launch inside the step's device span
+    s_per_task_byte: float = 0.0   # per KV byte of the longest task (Router v4.4; 0 in earlier constants)
 
-    KEYS = ("fixed_s", "s_per_kv_byte", "c_min", "s_per_merge_byte", "s_per_launch")
+    KEYS = ("fixed_s", "s_per_kv_byte", "c_min", "s_per_merge_byte", "s_per_launch", "s_per_task_byte")
 
     def __post_init__(self) -> None:
-        if min(self.fixed_s, self.s_per_kv_byte, self.s_per_merge_byte, self.s_per_launch) < 0 or self.c_min <= 0:
+        if min(self.fixed_s, self.s_per_kv_byte, self.s_per_merge_byte, self.s_per_launch,
+               self.s_per_task_byte) < 0 or self.c_min <= 0:
             raise ValueError(f"route fit out of range: {self}")
 
     def device_s(self, cost: "RouteCost", sm_count: int) -> float:
         stall = occupancy_stall(cost.ctas, sm_count, self.c_min)
         return (self.fixed_s + cost.kv_bytes * self.s_per_kv_byte * stall + cost.merge_bytes * self.s_per_merge_byte
-                + cost.launches * self.s_per_launch)
+                + cost.launches * self.s_per_launch + cost.task_bytes * self.s_per_task_byte)
 
     @classmethod
     def from_dict(cls, d: dict) -> "RouteFit":
-        return cls(*(float(d[key]) for key in cls.KEYS))
+        # Constants calibrated before Router v4.4 have no critical-path term: 0, as they were fitted.
+        return cls(*(float(d.get(key, 0.0) if key == "s_per_task_byte" else d[key]) for key in cls.KEYS))
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,7 @@ class RouteCost:
     launches: int
     merge_bytes: float
     rows: int = 0          # the step's rows (a BaselineFit's per-row term)
+    task_bytes: float = 0.0   # KV bytes of the longest task, one CTA's read (a RouteFit's critical-path term)
 
 
 def check_objective(objective: str) -> str:
@@ -334,15 +339,16 @@ def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost
 def bucket_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     """Exact length buckets: one grid launch per distinct length (+ its merge if split)."""
     lens = _lengths(seq_lens)
-    tasks = launches = merged_tasks = 0
+    tasks = launches = merged_tasks = longest_task = 0
     for length, rows in Counter(lens).items():
         splits = policy.for_length(length)
         bucket_tasks = rows * shape.num_kv_heads * splits
         tasks += bucket_tasks
         launches += 1 + (splits > 1)
         merged_tasks += bucket_tasks if splits > 1 else 0
+        longest_task = max(longest_task, task_tokens(length, splits))
     return RouteCost("bucket", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), launches,
-                     float(merged_tasks * slot_bytes(shape)))
+                     float(merged_tasks * slot_bytes(shape)), task_bytes=float(longest_task * shape.kv_bytes_per_head_token))
 
 
 def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
@@ -351,8 +357,10 @@ def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     row_splits = workqueue_row_splits(lens, policy)
     tasks = sum(row_splits) * shape.num_kv_heads
     merging = max(row_splits) > 1
+    longest_task = max(task_tokens(n, s) for n, s in zip(lens, row_splits))
     return RouteCost("workqueue", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), 1 + merging,
-                     float(tasks * slot_bytes(shape)) if merging else 0.0)
+                     float(tasks * slot_bytes(shape)) if merging else 0.0,
+                     task_bytes=float(longest_task * shape.kv_bytes_per_head_token))
 
 
 def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
@@ -432,7 +440,10 @@ def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost
     cut segments' partial states (merge bytes)."""
     lens = _lengths(seq_lens)
     n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles, piece_cost)
-    return RouteCost(GRAPH, float(sum(lens) * shape.kv_bytes_per_token), float(n), 1, float(states * slot_bytes(shape)))
+    units = sum(num_tiles(x) for x in lens) * shape.num_kv_heads      # a CTA's range: its share of the units
+    task = -(-units // n) * TILE_TOKENS * shape.kv_bytes_per_head_token if n else 0
+    return RouteCost(GRAPH, float(sum(lens) * shape.kv_bytes_per_token), float(n), 1, float(states * slot_bytes(shape)),
+                     task_bytes=float(task))
 
 
 def eligible(shape: Shape, seq_lens, k: Constants) -> bool:
@@ -508,6 +519,7 @@ class Router:
         self.objective = check_objective(objective)
         self.graph = tuple(graph) if graph is not None and k.graph is not None else None
         self.kvb, self.h, self.slot = shape.kv_bytes_per_token, shape.num_kv_heads, slot_bytes(shape)
+        self.head_kvb = shape.kv_bytes_per_head_token
         self.base_cta = {b: k.baseline_ctas_per_head[b] for b in self.baselines}
         self.group_ok = bool(self.policies or self.graph) and shape.group in k.supported_groups
         self.cache = {} if cache else None
@@ -557,12 +569,13 @@ class Router:
             longest_tiles = -(-longest // TILE_TOKENS)
             for kind, policy in self.policies.items():
                 if kind == "bucket":
-                    tasks, launches, merged = (self._bucket_small(lens, tiles, policy) if small
-                                               else self._bucket_array(seq_lens, tiles, policy))
+                    tasks, launches, merged, task = (self._bucket_small(lens, tiles, policy) if small
+                                                     else self._bucket_array(seq_lens, tiles, policy))
                 else:
-                    tasks, launches, merged = self._workqueue(tiles, longest, longest_tiles, policy, small)
+                    tasks, launches, merged, task = self._workqueue(lens if small else seq_lens, tiles, longest,
+                                                                    longest_tiles, policy, small)
                 cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches,
-                                       float(merged * self.h * self.slot)))
+                                       float(merged * self.h * self.slot), task_bytes=float(task * self.head_kvb)))
             if self.graph:
                 ctas, states = graph_counts(lens if small else seq_lens, self.h, *self.graph)
                 cands.append(RouteCost(GRAPH, kv_bytes, float(ctas), 1, float(states * self.slot)))
@@ -576,9 +589,10 @@ class Router:
         return memo
 
     def _bucket_small(self, lens: list, tiles: list, policy: SplitPolicy):
-        """(split tasks per KV head, launches, merged tasks per KV head) of bucket_schedule."""
+        """(split tasks per KV head, launches, merged tasks per KV head, the longest task's
+        tokens) of bucket_schedule."""
         memo = self._splits_of(policy)
-        tasks = launches = merged = 0
+        tasks = launches = merged = longest_task = 0
         seen = set()
         for n, t in zip(lens, tiles):
             s = memo.get(t)
@@ -587,10 +601,11 @@ class Router:
             if n not in seen:
                 seen.add(n)
                 launches += 2 if s > 1 else 1
+                longest_task = max(longest_task, min(-(-t // s) * TILE_TOKENS, n))   # task_tokens, inlined
             tasks += s
             if s > 1:
                 merged += s
-        return tasks, launches, merged
+        return tasks, launches, merged, longest_task
 
     @staticmethod
     def _bucket_array(arr: np.ndarray, tiles: np.ndarray, policy: SplitPolicy):
@@ -606,15 +621,21 @@ class Router:
             split_distinct = int(np.count_nonzero(change[first_split:])) + 1
         else:
             split_distinct = 0
-        return tasks, distinct + split_distinct, tasks - singles
+        longest_task = int(np.minimum(-(-tiles // s) * TILE_TOKENS, arr).max())
+        return tasks, distinct + split_distinct, tasks - singles, longest_task
 
     @staticmethod
-    def _workqueue(tiles, longest: int, longest_tiles: int, policy: SplitPolicy, small: bool):
-        """(tasks per KV head, launches, merged tasks per KV head) of workqueue_schedule."""
+    def _workqueue(lens, tiles, longest: int, longest_tiles: int, policy: SplitPolicy, small: bool):
+        """(tasks per KV head, launches, merged tasks per KV head, the longest task's tokens) of
+        workqueue_schedule."""
         chunk = workqueue_chunk(longest, policy)
         if small:
-            tasks = sum([-(-t // chunk) for t in tiles])
+            splits = [-(-t // chunk) for t in tiles]
+            tasks = sum(splits)
+            longest_task = max([min(-(-t // s) * TILE_TOKENS, n) for n, t, s in zip(lens, tiles, splits)])
         else:
-            tasks = int(((tiles + (chunk - 1)) // chunk).sum())
+            splits = (tiles + (chunk - 1)) // chunk
+            tasks = int(splits.sum())
+            longest_task = int(np.minimum(-(-tiles // splits) * TILE_TOKENS, lens).max())
         merging = -(-longest_tiles // chunk) > 1       # the longest row has the most splits
-        return tasks, 1 + merging, tasks if merging else 0
+        return tasks, 1 + merging, tasks if merging else 0, longest_task

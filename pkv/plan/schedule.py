@@ -65,6 +65,11 @@ def workqueue_chunk(longest: int, policy: SplitPolicy) -> int:
     return -(-num_tiles(int(longest)) // policy.for_length(int(longest)))
 
 
+def task_tokens(length: int, splits: int) -> int:
+    """Tokens of a row's longest task when split_bounds cuts it into `splits` (its first)."""
+    return min(-(-num_tiles(int(length)) // splits) * TILE_TOKENS, int(length))
+
+
 def workqueue_row_splits(seq_lens, policy: SplitPolicy):
     """Splits of each row in the compact workqueue: every row is cut into chunks of
     `workqueue_chunk` tiles. A numpy array in, an int64 array out; a list of ints in
@@ -126,6 +131,7 @@ class Counters:
     useful_kv_bytes: int
     read_kv_bytes: int
     merge_bytes: int
+    task_kv_bytes: int = 0    # the most KV bytes one task (one CTA) reads: the step's critical path when CTAs <= SMs
 
     @property
     def launches(self) -> int:
@@ -143,7 +149,7 @@ class Schedule:
     launches: tuple[Launch, ...]
 
     def counters(self, shape: Shape, seq_lens: np.ndarray, num_sms: int, extra_launches: int = 0) -> Counters:
-        token_bytes_per_head = 2 * shape.head_dim * shape.kv_itemsize
+        token_bytes_per_head = shape.kv_bytes_per_head_token
         read_tokens = sum(int((l.tasks[:, 4] - l.tasks[:, 3]).sum()) for l in self.launches)
         merging = [l for l in self.launches if l.needs_merge]
         return Counters(
@@ -156,6 +162,7 @@ class Schedule:
             useful_kv_bytes=int(np.asarray(seq_lens, dtype=np.int64).sum()) * shape.kv_bytes_per_token,
             read_kv_bytes=read_tokens * token_bytes_per_head,
             merge_bytes=sum(l.num_tasks for l in merging) * slot_bytes(shape),
+            task_kv_bytes=max(int((l.tasks[:, 4] - l.tasks[:, 3]).max()) for l in self.launches) * token_bytes_per_head,
         )
 
 

@@ -187,8 +187,9 @@ def estimates(frame: pd.DataFrame, k: Constants, kv_bytes_per_token: int, num_kv
         point = point_key(r.family, int(r.max_active))
         kp = k.at(point) if point in k.operating_points else k
         if r.engine in routes:
+            task = getattr(r, "task_kv_bytes", 0.0)          # rows before Router v4.4 have no such counter
             cost = RouteCost(routes[r.engine], float(r.useful_kv_bytes), float(r.decode_ctas), int(r.launches),
-                             float(r.merge_bytes))
+                             float(r.merge_bytes), task_bytes=0.0 if pd.isna(task) else float(task))
         else:
             cost = RouteCost(r.engine, float(r.total_tokens * kv_bytes_per_token),
                              r.active * num_kv_heads * k.baseline_ctas_per_head[r.engine], 1, 0.0, int(r.active))
