@@ -37,10 +37,11 @@ A host-scheduled PersistentKV route (bucket, workqueue) with a `RouteFit` in the
 (calibrated since Router v4.2) is costed by it instead of the shared roofline:
 
     T = fixed_s + KVBytes * s_per_kv_byte * max(1, c_min / C_r) + MergeBytes * s_per_merge_byte
-        + L_r * s_per_launch
+        + L_r * s_per_launch + TaskBytes * s_per_task_byte
 
 the roofline's form with the route's own coefficients, fitted on its graph-replayed calibration
-rows at its frozen split. The shared roofline's C_min and lambda are fitted on CUDA events of
+rows at its frozen split. TaskBytes (Router v4.4) is the longest task's KV bytes: with fewer
+CTAs than SMs a step waits for it (constants calibrated before v4.4 have s_per_task_byte 0). The shared roofline's C_min and lambda are fitted on CUDA events of
 the split grid, and the event span around run() holds the host's submission of the launches
 (40-70 us on the H200): it put the workqueue at 72.6 us on homogeneous B1 against 50.4 us of
 graph replay (results at 4c7ddb8), so the overlapped router never took a v3 route.
