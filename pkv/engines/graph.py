@@ -67,7 +67,8 @@ class GraphPlan(Plan):
             shape, num_ctas, min_tiles, num_sms, merge, piece_cost = self._counter_args
             cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles, piece_cost)
             self._counters = Counters(1, int(merge in MERGE_KERNEL_MODES), 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
-                                      int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes), int(cost.task_bytes))
+                                      int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes),
+                                      int(cost.task_bytes))
         return self._counters
 
 

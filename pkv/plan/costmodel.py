@@ -41,10 +41,11 @@ A host-scheduled PersistentKV route (bucket, workqueue) with a `RouteFit` in the
 
 the roofline's form with the route's own coefficients, fitted on its graph-replayed calibration
 rows at its frozen split. TaskBytes (Router v4.4) is the longest task's KV bytes: with fewer
-CTAs than SMs a step waits for it (constants calibrated before v4.4 have s_per_task_byte 0). The shared roofline's C_min and lambda are fitted on CUDA events of
-the split grid, and the event span around run() holds the host's submission of the launches
-(40-70 us on the H200): it put the workqueue at 72.6 us on homogeneous B1 against 50.4 us of
-graph replay (results at 4c7ddb8), so the overlapped router never took a v3 route.
+CTAs than SMs a step waits for it (constants calibrated before v4.4 have s_per_task_byte 0).
+The shared roofline's C_min and lambda are fitted on CUDA events of the split grid, and the
+event span around run() holds the host's submission of the launches (40-70 us on the H200): it
+put the workqueue at 72.6 us on homogeneous B1 against 50.4 us of graph replay (results at
+4c7ddb8), so the overlapped router never took a v3 route.
 
 A route's device estimate at a calibrated operating point is multiplied by that point's
 `device_scale` for the route (calibrated since Router v4.3): measured over estimated device
@@ -349,7 +350,8 @@ def bucket_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
         merged_tasks += bucket_tasks if splits > 1 else 0
         longest_task = max(longest_task, task_tokens(length, splits))
     return RouteCost("bucket", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), launches,
-                     float(merged_tasks * slot_bytes(shape)), task_bytes=float(longest_task * shape.kv_bytes_per_head_token))
+                     float(merged_tasks * slot_bytes(shape)),
+                     task_bytes=float(longest_task * shape.kv_bytes_per_head_token))
 
 
 def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
@@ -633,6 +635,7 @@ class Router:
         if small:
             splits = [-(-t // chunk) for t in tiles]
             tasks = sum(splits)
+            # task_tokens, inlined (the router's plain-int path)
             longest_task = max([min(-(-t // s) * TILE_TOKENS, n) for n, t, s in zip(lens, tiles, splits)])
         else:
             splits = (tiles + (chunk - 1)) // chunk

@@ -150,7 +150,8 @@ class Schedule:
 
     def counters(self, shape: Shape, seq_lens: np.ndarray, num_sms: int, extra_launches: int = 0) -> Counters:
         token_bytes_per_head = shape.kv_bytes_per_head_token
-        read_tokens = sum(int((l.tasks[:, 4] - l.tasks[:, 3]).sum()) for l in self.launches)
+        spans = [l.tasks[:, 4] - l.tasks[:, 3] for l in self.launches]   # tokens each task reads
+        read_tokens = sum(int(s.sum()) for s in spans)
         merging = [l for l in self.launches if l.needs_merge]
         return Counters(
             decode_launches=len(self.launches),
@@ -162,7 +163,7 @@ class Schedule:
             useful_kv_bytes=int(np.asarray(seq_lens, dtype=np.int64).sum()) * shape.kv_bytes_per_token,
             read_kv_bytes=read_tokens * token_bytes_per_head,
             merge_bytes=sum(l.num_tasks for l in merging) * slot_bytes(shape),
-            task_kv_bytes=max(int((l.tasks[:, 4] - l.tasks[:, 3]).max()) for l in self.launches) * token_bytes_per_head,
+            task_kv_bytes=max(int(s.max()) for s in spans) * token_bytes_per_head,
         )
 
 
