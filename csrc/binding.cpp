@@ -245,12 +245,12 @@ TORCH_LIBRARY(pkv, m) {
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
-        "float k_scale=1.0, float v_scale=1.0, int merge=4, int piece_cost=0, int counter_stride=1, "
+        "float k_scale=1.0, float v_scale=1.0, int merge=4, int piece_cost=8, int counter_stride=1, "
         "int spin_ns=0) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
         "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int merge=4, "
-        "int piece_cost=0, int counter_stride=1, int spin_ns=0) -> ()");
+        "int piece_cost=8, int counter_stride=1, int spin_ns=0) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
   m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
 }

@@ -62,13 +62,14 @@ __device__ __forceinline__ void spin_pause(int spin_ns) {
 // A late CTA's count-in (merge = 4): above any number of tickets and second count-ins (the
 // grid is checked below it at launch), so a ticket is the counter's low bits.
 constexpr int kLate = 1 << 16;
-// Merge kernel registers: at d 128 two merge CTAs (<= 56 registers) fit beside a full grid of
-// two decode CTAs per SM, so they are resident (their scan overlapping the decode) and load
-// 3 states a round (4 spill at 56 registers); at d 64 none fits beside three decode CTAs and at d 256 several do, so
-// there they take 8 a round.
+// Merge kernel registers: at d 128 two merge CTAs (<= 64 registers: 2 x 8192 beside the two
+// decode CTAs' 2 x 23552 at their 180, of 65536) fit beside a full grid of two decode CTAs per
+// SM, so they are resident (their scan overlapping the decode) and load 3 states a round (4
+// spilled at v5.7's 56-register bound; v5.12's set-up scan needed more than 56); at d 64 none
+// fits beside three decode CTAs and at d 256 several do, so there they take 8 a round.
 template <int D> struct MergeCfg {
   static constexpr int kInFlight = D == 128 ? 3 : 8;
-  static constexpr int kMinBlocks = D == 128 ? 9 : 4;
+  static constexpr int kMinBlocks = D == 128 ? 8 : 4;
 };
 
 // A row's units per segment, scanned by a CTA of kThreadsT threads, each owning the kPer
@@ -143,50 +144,74 @@ __device__ __forceinline__ int active_ctas(int64_t W, int segments, const GraphD
 
 __device__ __forceinline__ int tiles_of(int len) { return (len + kTile - 1) / kTile; }
 
-// The step's scan (pkv.plan.device_schedule.Cut): rows' units scanned (scan_rows) into inc,
-// *before and *vtotal (the cut's units); *total = the tiles. The units are the tiles, or, v5.9
-// with piece_cost > 0, the tiles and piece_cost set-up units in front of each segment of a row
-// whose segments are shorter than a CTA's range (0 < tiles and tiles * n < H * total, n =
-// active_ctas of the tiles): the tiles' totals first (a reduction, one barrier; not a first
-// scan_rows, whose second prefix-sum array spilled the d 128 merge kernel at its 56 registers),
-// then the scan. Without set-up units, *vtotal = *total.
+// v5.9's set-up units of one row (pkv.plan.device_schedule.setup_units): `cost` in front of each
+// segment of a row whose segments are shorter than a CTA's range (0 < tiles and tiles * n < W, W
+// the tiles of every KV head, i.e. tiles < below = floor((W - 1) / n) + 1); cost = 0 when the step
+// has none (scan_units). Two ints: the d 128 merge kernel holds it at its 56 registers.
+struct SetupUnits {
+  int cost, below;
+  __device__ __forceinline__ int of_tiles(int t) const { return t > 0 && t < below ? cost : 0; }
+  __device__ __forceinline__ int of(int len) const { return of_tiles(tiles_of(len)); }
+};
+
+// The step's scan (pkv.plan.device_schedule.Cut): rows' tiles scanned (scan_rows) into inc,
+// *before and *total, and *ctas = active_ctas of them. With piece_cost > 0 (v5.9), the cut's
+// units also hold set-up units (*setup): row i's inclusive units are then inc[i] + the thread's
+// set-up units up to its row i (the caller adds them, setup->of per row: no second per-row
+// array, which spilled the d 128 merge kernel at its 56 registers), *before counts every earlier
+// thread's, *vtotal all of them (without set-up units, *vtotal = *total). v5.12: the set-up
+// units are a second scan of one count a thread, after the tiles' (their rule needs n, n needs
+// the tiles' total), and only where a row qualifies: a block-wide vote (one barrier) skips it
+// otherwise, so a step whose segments all span a range (every B1 step) pays one barrier more
+// than piece_cost = 0, not v5.9's extra reduction.
 template <int kThreadsT, int kPer>
 __device__ __forceinline__ void scan_units(const GraphDecodeParams& p, const int (&len)[kPer], int (&inc)[kPer],
                                            int* s_warp, int* s_nzw, int* before, int* total, int* vtotal,
-                                           int* nonzero) {
-  constexpr int kW = kThreadsT / 32;
+                                           int* nonzero, int* ctas, SetupUnits* setup) {
   int units[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) units[i] = tiles_of(len[i]);
-  if (p.piece_cost > 0) {
-    int t = 0, nz = 0;
+  scan_rows<kThreadsT>(units, inc, s_warp, s_nzw, before, total, nonzero);
+  const int64_t wt = static_cast<int64_t>(*total) * p.num_kv_heads;
+  const int n = active_ctas(wt, *nonzero * p.num_kv_heads, p);
+  *ctas = n, *vtotal = *total, *setup = SetupUnits{0, 0};
+  if (p.piece_cost == 0 || wt == 0) return;
+  const SetupUnits one{1, static_cast<int>(floor_div(wt - 1, n)) + 1};
+  int count[1] = {0};
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) t += units[i], nz += units[i] > 0;
+  for (int i = 0; i < kPer; ++i) count[0] += one.of_tiles(inc[i] - (i > 0 ? inc[i - 1] : 0));  // len may be dead
+  // The vote's barrier also orders every thread's reads of s_warp and s_nzw (the tiles' scan)
+  // before the second scan's writes.
+  if (!__syncthreads_or(count[0] > 0)) return;
+  // One count a thread: its warp's inclusive scan, the warps' totals through s_warp.
+  constexpr int kW = kThreadsT / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = count[0];
 #pragma unroll
-    for (int o = 16; o; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o), nz += __shfl_xor_sync(0xffffffffu, nz, o);
-    if ((threadIdx.x & 31) == 0) s_warp[threadIdx.x >> 5] = t, s_nzw[threadIdx.x >> 5] = nz;
-    __syncthreads();
-    t = 0, nz = 0;
-#pragma unroll
-    for (int w = 0; w < kW; ++w) t += s_warp[w], nz += s_nzw[w];
-    const int64_t W = static_cast<int64_t>(t) * p.num_kv_heads;
-    const int64_t n = active_ctas(W, nz * p.num_kv_heads, p);
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) units[i] += units[i] > 0 && units[i] * n < W ? p.piece_cost : 0;
-    *total = t;
-    __syncthreads();  // every thread's reads of s_warp and s_nzw precede the scan's writes
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
   }
-  scan_rows<kThreadsT>(units, inc, s_warp, s_nzw, before, vtotal, nonzero);
-  if (p.piece_cost == 0) *total = *vtotal;
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  int c_before = x - count[0], c_total = 0;
+#pragma unroll
+  for (int w = 0; w < kW; ++w) {
+    c_before += w < warp ? s_warp[w] : 0;
+    c_total += s_warp[w];
+  }
+  *before += p.piece_cost * c_before;
+  *vtotal += p.piece_cost * c_total;
+  *setup = SetupUnits{p.piece_cost, one.below};
 }
 
 // The decode's scan: every length and block-table row id loaded in one round, scanned
 // (scan_units), then s_inc (inclusive prefix sum of units over rows), s_len and s_req in
 // shared memory. Returns total tiles and, in *vtotal, the cut's units, in *nonzero, the rows
-// of length > 0.
+// of length > 0, in *ctas, the CTAs that get work.
 template <int kThreadsT>
 __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc, int* s_len, int* s_req, int* s_warp,
-                                         int* s_nzw, int* nonzero, int* vtotal, unsigned long long* rec) {
+                                         int* s_nzw, int* nonzero, int* vtotal, int* ctas, unsigned long long* rec) {
   constexpr int kPer = kGraphMaxRows / kThreadsT;
   const int tid = threadIdx.x, R = p.num_rows;
   int len[kPer], req[kPer], inc[kPer];
@@ -199,12 +224,15 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
   PKV_STAMP_AFTER(rec, 13, len[0] + req[0]);  // the lengths' round trip
   (void)rec;
   int before, total;
-  scan_units<kThreadsT>(p, len, inc, s_warp, s_nzw, &before, &total, vtotal, nonzero);
+  SetupUnits setup;
+  scan_units<kThreadsT>(p, len, inc, s_warp, s_nzw, &before, &total, vtotal, nonzero, ctas, &setup);
+  int run = before;   // the set-up units before row r, and from v5.12 those of this thread's rows up to it
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int r = tid * kPer + i;
+    run += setup.of(len[i]);
     if (r < R) {                              // nothing reads the rows past the step's
-      s_inc[r] = before + inc[i];
+      s_inc[r] = run + inc[i];
       s_len[r] = len[i];
       s_req[r] = req[i];
     }
@@ -351,14 +379,13 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
 
   // 1. The step's work: tiles per row (and set-up units, v5.9), scanned.
-  int nonzero, vtotal;
-  const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero, &vtotal, rec);
+  int nonzero, vtotal, n;
+  const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero, &vtotal, &n, rec);
   PKV_STAMP(rec, 2);
 
   // 2. This CTA's range of work units (unit = one tile of one KV head, or a set-up unit in
   //    front of a short segment's tiles; segment (r, h) holds units [H*exc_r + h*u_r, +u_r),
   //    u_r = its tiles and set-up units). Balanced to one unit; the CTA count is the tiles'.
-  const int n = active_ctas(static_cast<int64_t>(total) * H, nonzero * H, p);
   const int64_t W = static_cast<int64_t>(vtotal) * H;
   const int j = blockIdx.x;
   if (j >= n) {
@@ -538,17 +565,18 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
     len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
   }
   if (tid == 0) s_job[0] = -1;  // ordered before the readers by scan_rows' barrier
-  int before, total, vtotal, all_nz;
-  scan_units<kMergeThreads>(p, len, inc, s_warp, s_nzw, &before, &total, &vtotal, &all_nz);
-  const int n = active_ctas(static_cast<int64_t>(total) * H, all_nz * H, p);
+  int before, total, vtotal, all_nz, n;
+  SetupUnits setup;
+  scan_units<kMergeThreads>(p, len, inc, s_warp, s_nzw, &before, &total, &vtotal, &all_nz, &n, &setup);
   const int64_t W = static_cast<int64_t>(vtotal) * H;
   const int j = blockIdx.x;
   const int64_t lo = j > 0 && j < n ? floor_div(j * W, n) : -1;
   if (lo >= 0) {  // the row whose units hold lo: exactly one (row, thread) sees it
-    int prev = before;
+    int prev = before, run = before;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      const int cur = before + inc[i];
+    for (int i = 0; i < kPer; ++i) {  // a row's tiles from the prefix sums: len is dead by here (registers)
+      run += setup.of_tiles(inc[i] - (i > 0 ? inc[i - 1] : 0));
+      const int cur = run + inc[i];
       if (static_cast<int64_t>(H) * prev <= lo && lo < static_cast<int64_t>(H) * cur)
         s_job[0] = tid * kPer + i, s_job[1] = prev, s_job[2] = cur - prev;
       prev = cur;

@@ -8,7 +8,7 @@ segment inside one CTA is written directly; a segment cut across CTAs j0..j1 lea
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
 last piece otherwise) and the last CTA to finish merges them.
 
-v5.9 (`piece_cost` P > 0, an option until measured): each piece also costs a set-up that
+v5.9 (`piece_cost` P > 0; P = 8 the default from v5.12, measured in the model step): each piece also costs a set-up that
 its tiles do not count (block-table ids, the prologue's copies, the first tile's latency,
 the drain), so a CTA over many short segments did more than one over one long segment. Where
 a row's segments are shorter than a CTA's range (0 < tiles(r) and tiles(r) * n < W, n and W
@@ -45,7 +45,7 @@ GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (docs/perf-notes.
 GRAPH_MERGE = 4         # default merge mode (pkv.engines.graph.MERGE_MODES; docs/perf-notes.md, v5.9 A/B)
 CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
 MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
-PIECE_COST = 0          # default set-up units in front of a short segment (v5.9; 0: not counted)
+PIECE_COST = 8          # default set-up units in front of a short segment (v5.9; v5.12: 8, docs/perf-notes.md)
 MAX_PIECE_COST = 64     # kMaxPieceCost
 MAX_COUNTER_STRIDE = 32  # kMaxCounterStride: merge counters allocated per (row, KV head), in ints
 MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
