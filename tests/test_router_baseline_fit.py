@@ -93,7 +93,7 @@ def test_the_committed_sweep_refits_to_the_committed_constants():
     cfg = load_config(ROOT / "results" / "config.json")
     shape = shape_of(cfg)
     fitted = fit_constants(committed, cal, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
-    # Constants calibrated before v5.9 carry no piece_cost: their cut had none (GraphFit reads 0).
+    # The refit keeps the cut the committed constants name (their sweep ran on it).
     assert fitted["graph"] == pytest.approx({"piece_cost": 0, **committed["graph"]})
     assert set(fitted["baseline_fit"]) == set(committed["baseline_fit"])
     for name, fit in committed["baseline_fit"].items():

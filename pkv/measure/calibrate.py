@@ -347,7 +347,11 @@ def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv
     routes = {kind: fit_route(frame, name, out["sm_count"]) for name, kind in scheduled_routes().items()}
     if any(f is not None for f in routes.values()):
         out["route_fit"] = {kind: f for kind, f in routes.items() if f is not None}
-    graph = fit_graph(frame)
+    # A refit of a committed sweep: its pkv-graph rows ran on the cut its constants name
+    # (GraphFit.from_dict: none named before v5.9, so 0); a fresh sweep on the code's.
+    base = GraphFit.from_dict(constants["graph"]) if "graph" in constants else None
+    cut = (base.min_tiles, base.piece_cost) if base is not None else (GRAPH_MIN_TILES, PIECE_COST)
+    graph = fit_graph(frame, *cut)
     if graph is not None:
         out["graph"] = graph
         # Router v4.1: the baselines' own device fits (with pkv-graph's: constants without it
