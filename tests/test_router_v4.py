@@ -85,7 +85,7 @@ def test_router_costs_pkv_graph_from_the_device_schedule(seed):
                         graph=(FIT.num_ctas, FIT.min_tiles))
         got = router.decide(np.arange(batch), lens).estimates[GRAPH]
         assert got == pytest.approx(device + host, rel=1e-12)
-    c = graph_cost(SHAPE, lens, FIT.num_ctas, FIT.min_tiles)
+    c = graph_cost(SHAPE, lens, FIT.num_ctas, FIT.min_tiles, FIT.piece_cost)
     assert (c.ctas, c.merge_bytes) == (ctas, states * slot_bytes(SHAPE))
 
 

@@ -520,7 +520,8 @@ class Router:
         self.baselines = tuple(baselines)
         self.policies = dict(policies)          # "bucket"/"workqueue" -> SplitPolicy; empty = gated out
         self.objective = check_objective(objective)
-        self.graph = tuple(graph) if graph is not None and k.graph is not None else None
+        # A cut given without its piece_cost is the constants' (the cut their fit ran on).
+        self.graph = None if graph is None or k.graph is None else (*graph, k.graph.piece_cost)[:3]
         self.kvb, self.h, self.slot = shape.kv_bytes_per_token, shape.num_kv_heads, slot_bytes(shape)
         self.head_kvb = shape.kv_bytes_per_head_token
         self.base_cta = {b: k.baseline_ctas_per_head[b] for b in self.baselines}
