@@ -144,10 +144,15 @@ __device__ __forceinline__ int active_ctas(int64_t W, int segments, const GraphD
 
 __device__ __forceinline__ int tiles_of(int len) { return (len + kTile - 1) / kTile; }
 
+// Row i's tiles of a thread's rows, from their inclusive prefix sums (where its lengths are
+// no longer held in registers).
+template <int kPer>
+__device__ __forceinline__ int tiles_at(const int (&inc)[kPer], int i) { return inc[i] - (i > 0 ? inc[i - 1] : 0); }
+
 // v5.9's set-up units of one row (pkv.plan.device_schedule.setup_units): `cost` in front of each
 // segment of a row whose segments are shorter than a CTA's range (0 < tiles and tiles * n < W, W
 // the tiles of every KV head, i.e. tiles < below = floor((W - 1) / n) + 1); cost = 0 when the step
-// has none (scan_units). Two ints: the d 128 merge kernel holds it at its 56 registers.
+// has none (scan_units). Two ints, not a per-row array: the d 128 merge kernel's register bound.
 struct SetupUnits {
   int cost, below;
   __device__ __forceinline__ int of_tiles(int t) const { return t > 0 && t < below ? cost : 0; }
@@ -177,16 +182,16 @@ __device__ __forceinline__ void scan_units(const GraphDecodeParams& p, const int
   *ctas = n, *vtotal = *total, *setup = SetupUnits{0, 0};
   if (p.piece_cost == 0 || wt == 0) return;
   const SetupUnits one{1, static_cast<int>(floor_div(wt - 1, n)) + 1};
-  int count[1] = {0};
+  int count = 0;
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) count[0] += one.of_tiles(inc[i] - (i > 0 ? inc[i - 1] : 0));  // len may be dead
+  for (int i = 0; i < kPer; ++i) count += one.of_tiles(tiles_at(inc, i));
   // The vote's barrier also orders every thread's reads of s_warp and s_nzw (the tiles' scan)
   // before the second scan's writes.
-  if (!__syncthreads_or(count[0] > 0)) return;
+  if (!__syncthreads_or(count > 0)) return;
   // One count a thread: its warp's inclusive scan, the warps' totals through s_warp.
   constexpr int kW = kThreadsT / 32;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = count[0];
+  int x = count;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
     const int y = __shfl_up_sync(0xffffffffu, x, o);
@@ -194,7 +199,7 @@ __device__ __forceinline__ void scan_units(const GraphDecodeParams& p, const int
   }
   if (lane == 31) s_warp[warp] = x;
   __syncthreads();
-  int c_before = x - count[0], c_total = 0;
+  int c_before = x - count, c_total = 0;
 #pragma unroll
   for (int w = 0; w < kW; ++w) {
     c_before += w < warp ? s_warp[w] : 0;
@@ -574,8 +579,8 @@ __global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_
   if (lo >= 0) {  // the row whose units hold lo: exactly one (row, thread) sees it
     int prev = before, run = before;
 #pragma unroll
-    for (int i = 0; i < kPer; ++i) {  // a row's tiles from the prefix sums: len is dead by here (registers)
-      run += setup.of_tiles(inc[i] - (i > 0 ? inc[i - 1] : 0));
+    for (int i = 0; i < kPer; ++i) {
+      run += setup.of_tiles(tiles_at(inc, i));
       const int cur = run + inc[i];
       if (static_cast<int64_t>(H) * prev <= lo && lo < static_cast<int64_t>(H) * cur)
         s_job[0] = tid * kPer + i, s_job[1] = prev, s_job[2] = cur - prev;

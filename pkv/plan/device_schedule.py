@@ -8,9 +8,10 @@ segment inside one CTA is written directly; a segment cut across CTAs j0..j1 lea
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
 last piece otherwise) and the last CTA to finish merges them.
 
-v5.9 (`piece_cost` P > 0; P = 8 the default from v5.12, measured in the model step): each piece also costs a set-up that
-its tiles do not count (block-table ids, the prologue's copies, the first tile's latency,
-the drain), so a CTA over many short segments did more than one over one long segment. Where
+v5.9 (`piece_cost` P > 0; P = 8 the default from v5.12, measured in the model step): each
+piece also costs a set-up that its tiles do not count (block-table ids, the prologue's
+copies, the first tile's latency, the drain), so a CTA over many short segments did more
+than one over one long segment. Where
 a row's segments are shorter than a CTA's range (0 < tiles(r) and tiles(r) * n < W, n and W
 as above), each of them holds P set-up units in front of its tiles: the cut then shares
 tiles plus set-ups equally. n stays the tiles' (`active_ctas`); a piece of set-up units only
