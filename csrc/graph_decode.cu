@@ -247,6 +247,29 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
 }
 
 
+// The piece of a CTA's range that starts at unit u (< hi): its row r (rows before `from` end at
+// or before u), KV head h, segment [seg_begin, seg_end), end (the segment's or the range's),
+// set-up units and tiles [tile_lo, tile_hi) (v5.9: after the set-up units; tile_hi <= 0: set-up
+// units only, no piece).
+struct Piece {
+  int r, h, setup, tile_lo, tile_hi;
+  int64_t seg_begin, seg_end, end;
+};
+__device__ __forceinline__ Piece piece_at(const int* s_inc, const int* s_len, int H, int64_t u, int64_t hi, int from) {
+  Piece pc;
+  int r = from;
+  while (static_cast<int64_t>(H) * s_inc[r] <= u) ++r;
+  const int exc = r ? s_inc[r - 1] : 0, units = s_inc[r] - exc;
+  pc.r = r, pc.setup = units - tiles_of(s_len[r]);
+  const int64_t row_base = static_cast<int64_t>(H) * exc;
+  pc.h = static_cast<int>(static_cast<uint32_t>(u - row_base) / static_cast<uint32_t>(units));
+  pc.seg_begin = row_base + static_cast<int64_t>(pc.h) * units, pc.seg_end = pc.seg_begin + units;
+  pc.end = hi < pc.seg_end ? hi : pc.seg_end;
+  pc.tile_lo = static_cast<int>(u - pc.seg_begin) - pc.setup;
+  pc.tile_hi = static_cast<int>(pc.end - pc.seg_begin) - pc.setup;
+  return pc;
+}
+
 // First row whose units end past unit u (binary search over the scanned prefix sums).
 __device__ __forceinline__ int row_of(const int* s_inc, int R, int H, int64_t u) {
   int r = 0, r1 = R - 1;
@@ -421,16 +444,11 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   int pieces = 0, merged = 0, first_tokens = 0;
 
   for (int64_t u = lo; u < hi;) {
-    while (static_cast<int64_t>(H) * s_inc[r] <= u) ++r;
-    const int exc = r ? s_inc[r - 1] : 0, units = s_inc[r] - exc, setup = units - tiles_of(s_len[r]);
-    const int64_t row_base = static_cast<int64_t>(H) * exc;
-    const int h = static_cast<int>(static_cast<uint32_t>(u - row_base) / static_cast<uint32_t>(units));
-    const int64_t seg_begin = row_base + static_cast<int64_t>(h) * units, seg_end = seg_begin + units;
-    const int64_t piece_end = hi < seg_end ? hi : seg_end;
-    // The piece's tiles (v5.9: after the segment's set-up units); set-up units only: no piece.
-    const int tile_lo = static_cast<int>(u - seg_begin) - setup;
-    const int tile_hi = static_cast<int>(piece_end - seg_begin) - setup;
-    if (tile_hi <= 0) {
+    const Piece pc = piece_at(s_inc, s_len, H, u, hi, r);
+    r = pc.r;
+    const int h = pc.h, setup = pc.setup, tile_lo = pc.tile_lo, tile_hi = pc.tile_hi;
+    const int64_t seg_begin = pc.seg_begin, seg_end = pc.seg_end, piece_end = pc.end;
+    if (tile_hi <= 0) {  // set-up units only: no piece
       u = piece_end;
       continue;
     }
@@ -460,6 +478,21 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.num_kv_heads = H;
     a.out_scale = p.v_scale;
     a.trace = pieces == 0 ? rec : nullptr;
+#if PKV_NEXT_PIECE_L2
+    // v5.13: a short piece names the range's next piece with tiles, whose first tokens it asks
+    // into L2; a longer one streams more than the L2 keeps meanwhile, so it names none.
+    if (a.t_end - a.t_begin <= PKV_NEXT_PIECE_L2) {
+      Piece nx;
+      nx.end = piece_end, nx.r = r, nx.tile_hi = 0;
+      while (nx.tile_hi <= 0 && nx.end < hi) nx = piece_at(s_inc, s_len, H, nx.end, hi, nx.r);
+      if (nx.tile_hi > 0) {
+        a.next_bt = p.block_table + static_cast<int64_t>(s_req[nx.r]) * p.bt_stride;
+        a.next_head_off = static_cast<int64_t>(nx.h) * p.head_stride;
+        a.next_t_begin = (nx.tile_lo > 0 ? nx.tile_lo : 0) * kTile;
+        a.next_t_end = min(nx.tile_hi * kTile, s_len[nx.r]);
+      }
+    }
+#endif
     if (pieces == 0) first_tokens = a.t_end - a.t_begin;
     ++pieces;
 
