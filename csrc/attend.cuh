@@ -198,18 +198,21 @@ template <int D, bool kFp8> struct KvPipe {
 
 #if PKV_NEXT_PIECE_L2
   // v5.13: lane l of warp w takes token l of the next piece's first 32 prologue tokens of w
-  // (its steps w, w + kWarps, ...): the page id here, issued with this piece's prologue ids;
-  // ahead() then asks that token's K and V rows into L2 (behind this piece's first copies,
-  // so the id's round trip hides behind theirs). -1: no token.
-  __device__ int ahead_page() const {
-    if (a.next_bt == nullptr) return -1;
+  // (its steps w, w + kWarps, ...; -1: none there): its page id is loaded with this piece's
+  // prologue ids (ahead_page), and ahead() asks its K and V rows into L2 behind this piece's
+  // first copies, so the id's round trip hides behind theirs.
+  __device__ int ahead_token() const {
     const int j = lane / C::kStepTokens, t = a.next_t_begin + (warp + j * kWarps) * C::kStepTokens + lane % C::kStepTokens;
-    return j < C::kStages - 1 && t < a.next_t_end ? __ldg(a.next_bt + (t >> a.page_shift)) : -1;
+    return j < C::kStages - 1 && t < a.next_t_end ? t : -1;
+  }
+  __device__ int ahead_page() const {
+    const int t = a.next_bt != nullptr ? ahead_token() : -1;
+    return t >= 0 ? __ldg(a.next_bt + (t >> a.page_shift)) : -1;
   }
   __device__ void ahead(int page) const {
     if (page < 0) return;
     using KvT = std::conditional_t<kFp8, unsigned char, unsigned short>;
-    const int j = lane / C::kStepTokens, t = a.next_t_begin + (warp + j * kWarps) * C::kStepTokens + lane % C::kStepTokens;
+    const int t = ahead_token();
     const KvT* row = reinterpret_cast<const KvT*>(a.kv) + page * a.page_elems + a.next_head_off + (t & (P - 1)) * a.tok_stride;
 #pragma unroll
     for (int b = 0; b < C::kRowBytes; b += 128) {
