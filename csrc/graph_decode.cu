@@ -430,10 +430,8 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   // set-up (in-order work that came before its page-id loads: ~1.4 us at B1 1K, docs/perf-notes.md),
   // so those loads find it there. Row r has tiles (row_of skips empty rows); one line holds 32 ids.
   if (tid == 0) {
-    const int exc = r ? s_inc[r - 1] : 0, units = s_inc[r] - exc, setup = units - tiles_of(s_len[r]);
-    const int64_t within = lo - static_cast<int64_t>(H) * exc;   // units into row r
-    const int into = static_cast<int>(static_cast<uint32_t>(within) % static_cast<uint32_t>(units)) - setup;
-    const int t0 = (into > 0 ? into : 0) * kTile;
+    const Piece first = piece_at(s_inc, s_len, H, lo, hi, r);
+    const int t0 = (first.tile_lo > 0 ? first.tile_lo : 0) * kTile;
     prefetch_l2(p.block_table + static_cast<int64_t>(s_req[r]) * p.bt_stride + (t0 >> p.page_shift));
   }
   const int num_slots = 2 * p.num_ctas;
