@@ -24,11 +24,6 @@
 #ifndef PKV_FP8_STAGES
 #define PKV_FP8_STAGES 3
 #endif
-// v5.13 (off by default, not yet measured: docs/perf-notes.md): a piece of at most this many
-// tokens asks the first KV tokens of the CTA's next piece into L2 (Range::next_bt); 0 = never.
-#ifndef PKV_NEXT_PIECE_L2
-#define PKV_NEXT_PIECE_L2 0
-#endif
 
 namespace pkv {
 
@@ -92,14 +87,6 @@ struct Range {
   float out_scale;         // FP8: the V tensor scale, applied to the CTA's output state
   float cap_log2 = 0.f;    // logits soft cap times log2(e); 0 = off
   unsigned long long* trace = nullptr;  // PKV_TRACE builds: this piece's trace record, or null
-#if PKV_NEXT_PIECE_L2
-  // The CTA's next piece (its row's block-table row, KV head offset, tokens), whose prologue
-  // tokens this piece asks into L2 (KvPipe::ahead); null: none (or this piece is too long
-  // for what it asks to stay there).
-  const int* next_bt = nullptr;
-  int64_t next_head_off = 0;
-  int next_t_begin = 0, next_t_end = 0;
-#endif
 };
 
 // Logits soft cap on a log2-domain logit x: c tanh(x / c) is cap tanh(s / cap) scaled by log2(e).
@@ -195,32 +182,6 @@ template <int D, bool kFp8> struct KvPipe {
     }
     cp_async_commit();  // empty groups keep the wait count uniform
   }
-
-#if PKV_NEXT_PIECE_L2
-  // v5.13: lane l of warp w takes token l of the next piece's first 32 prologue tokens of w
-  // (its steps w, w + kWarps, ...; -1: none there): its page id is loaded with this piece's
-  // prologue ids (ahead_page), and ahead() asks its K and V rows into L2 behind this piece's
-  // first copies, so the id's round trip hides behind theirs.
-  __device__ int ahead_token() const {
-    const int j = lane / C::kStepTokens, t = a.next_t_begin + (warp + j * kWarps) * C::kStepTokens + lane % C::kStepTokens;
-    return j < C::kStages - 1 && t < a.next_t_end ? t : -1;
-  }
-  __device__ int ahead_page() const {
-    const int t = a.next_bt != nullptr ? ahead_token() : -1;
-    return t >= 0 ? __ldg(a.next_bt + (t >> a.page_shift)) : -1;
-  }
-  __device__ void ahead(int page) const {
-    if (page < 0) return;
-    using KvT = std::conditional_t<kFp8, unsigned char, unsigned short>;
-    const int t = ahead_token();
-    const KvT* row = reinterpret_cast<const KvT*>(a.kv) + page * a.page_elems + a.next_head_off + (t & (P - 1)) * a.tok_stride;
-#pragma unroll
-    for (int b = 0; b < C::kRowBytes; b += 128) {
-      prefetch_l2(row + b / sizeof(KvT));
-      prefetch_l2(row + a.v_off + b / sizeof(KvT));
-    }
-  }
-#endif
 };
 
 // The CTA's state from its warps' (m, l, acc) rows, already written to shared memory at
@@ -271,9 +232,6 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
   PKV_STAMP(a.trace, 14);  // the piece is set up: its page ids are requested now
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
-#if PKV_NEXT_PIECE_L2
-  const int ahead = pipe.ahead_page();
-#endif
   PKV_STAMP_AFTER(a.trace, 15, pro[0].id[0]);  // the block-table round trip
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
@@ -305,9 +263,6 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
 #pragma unroll
     for (int k = 0; k < D / 16; ++k) q_frag(k, qa[k]);
   }
-#if PKV_NEXT_PIECE_L2
-  pipe.ahead(ahead);
-#endif
 
   for (int j = 0; j < pipe.steps; ++j) {
     const auto next_pages = pipe.pages(j + C::kStages - 1);

@@ -81,9 +81,6 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
   PKV_STAMP(a.trace, 14);  // the piece is set up: its page ids are requested now
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
-#if PKV_NEXT_PIECE_L2
-  const int ahead = pipe.ahead_page();
-#endif
   PKV_STAMP_AFTER(a.trace, 15, pro[0].id[0]);  // the block-table round trip
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
@@ -102,9 +99,6 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
         const int head = 8 * hb + gid;
         qb[hb][p][kh] = head < G ? q_f16x2(q + head * D + 16 * p + 4 * t4 + 2 * kh) : 0u;
       }
-#if PKV_NEXT_PIECE_L2
-  pipe.ahead(ahead);
-#endif
   // This lane's ldmatrix row: matrices (tokens 0-7 | 8-15) x (piece p | p + 1).
   const int ltok = (lane & 7) + (((lane >> 3) & 1) << 3), lhi = lane >> 4;
 

@@ -476,21 +476,6 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.num_kv_heads = H;
     a.out_scale = p.v_scale;
     a.trace = pieces == 0 ? rec : nullptr;
-#if PKV_NEXT_PIECE_L2
-    // v5.13: a short piece names the range's next piece with tiles, whose first tokens it asks
-    // into L2; a longer one streams more than the L2 keeps meanwhile, so it names none.
-    if (a.t_end - a.t_begin <= PKV_NEXT_PIECE_L2) {
-      Piece nx;
-      nx.end = piece_end, nx.r = r, nx.tile_hi = 0;
-      while (nx.tile_hi <= 0 && nx.end < hi) nx = piece_at(s_inc, s_len, H, nx.end, hi, nx.r);
-      if (nx.tile_hi > 0) {
-        a.next_bt = p.block_table + static_cast<int64_t>(s_req[nx.r]) * p.bt_stride;
-        a.next_head_off = static_cast<int64_t>(nx.h) * p.head_stride;
-        a.next_t_begin = (nx.tile_lo > 0 ? nx.tile_lo : 0) * kTile;
-        a.next_t_end = min(nx.tile_hi * kTile, s_len[nx.r]);
-      }
-    }
-#endif
     if (pieces == 0) first_tokens = a.t_end - a.t_begin;
     ++pieces;
 
