@@ -181,6 +181,11 @@ def test_wrapper_refusals():
         w.update(np.zeros((2, 4), np.int32), np.ones(2, np.int32))
     with pytest.raises(ValueError, match="seq_lens must be in 0..48"):
         w.update(table.numpy(), np.array([40, 49]))
+    for dtype in ("<i8", ">i4", "i1"):   # one unsigned reduction checks both bounds, any byte order
+        with pytest.raises(ValueError, match=r"seq_lens must be in 0..48 .*got -1..40"):
+            w.update(table.numpy(), np.array([40, -1], dtype=dtype))
+    w.update(table.numpy(), np.array([40, 9], dtype=">i4"))   # big-endian lengths are read as numbers
+    assert w.seq_lens.tolist() == [40, 9]
     with pytest.raises(ValueError, match="integers"):
         w.update(table.numpy(), np.array([4.0, 9.0]))
     w.update(table, lens)

@@ -220,3 +220,21 @@ def test_pinned_staging_reuses_buffers_without_clobbering_earlier_copies():
     b = staging.upload([np.arange(10)])
     c = staging.upload([np.array([5])])
     assert a.tolist() == [0, 1, 2, 7, 8, 9] and b.tolist() == list(range(10)) and c.tolist() == [5]
+
+
+def test_pinned_staging_into_a_fixed_destination_keeps_its_slices_right():
+    """The slices kept per (buffer, length) follow a new destination and a grown buffer."""
+    staging = PinnedStaging(torch.device("cpu"), depth=2, capacity=4)
+    dest = torch.zeros(16, dtype=torch.int32)
+    for n in (3, 4, 3, 2, 4):                       # lengths repeat on both buffers of the ring
+        staging.upload([np.arange(n) + 10 * n], out=dest)
+        assert dest[:n].tolist() == list(range(10 * n, 11 * n))
+    other = torch.zeros(8, dtype=torch.int32)
+    staging.upload([np.array([7, 7, 7])], out=other)    # same (buffer, length) as before, new destination
+    assert other[:3].tolist() == [7, 7, 7] and dest[:4].tolist() == [40, 41, 42, 43]
+    for n in (3, 3):                                   # (buffer, 3) of both buffers kept for dest
+        staging.upload([np.arange(n)], out=dest)
+    staging.upload([np.arange(12)], out=dest)          # grows each buffer: its old slices are dropped
+    staging.upload([np.arange(12) + 1], out=dest)
+    staging.upload([np.array([5, 6, 7])], out=dest)
+    assert dest.tolist() == [5, 6, 7] + list(range(4, 13)) + [0] * 4

@@ -22,6 +22,11 @@ from pkv.engines.common import PinnedStaging
 from pkv.engines.graph import check_graph_shape
 
 
+def _unsigned(dtype: np.dtype) -> np.dtype:
+    """The unsigned integer of the same size and byte order (a view of it reads a negative as huge)."""
+    return np.dtype(dtype.str.replace("i", "u"))
+
+
 class DecodeWrapper:
     """Decode for steps of up to `max_batch` rows, each with up to `max_pages` pages."""
 
@@ -69,7 +74,8 @@ class DecodeWrapper:
             return
         if seq_lens.dtype.kind not in "iu" or block_table.dtype.kind not in "iu":
             raise ValueError("pkv decode: block_table and seq_lens must be integers")
-        if b and (int(seq_lens.min()) < 0 or int(seq_lens.max()) > w * self.shape.page_size):
+        # One reduction for both bounds: read as unsigned, a negative length is above any bound.
+        if b and int(seq_lens.view(_unsigned(seq_lens.dtype)).max()) > w * self.shape.page_size:
             raise ValueError(f"pkv decode: seq_lens must be in 0..{w * self.shape.page_size} "
                              f"(block_table width x page size), got {seq_lens.min()}..{seq_lens.max()}")
         # Written in place into the pinned buffer, then one copy of its first b table rows: the

@@ -9,8 +9,6 @@ from __future__ import annotations
 import importlib
 import importlib.util
 
-import numpy as np
-
 from pkv.core.cache import PagedCache
 from pkv.engines.model import EngineRunner, GraphRunner, Runner
 from pkv.engines.table import RUNNERS, runners
@@ -36,7 +34,7 @@ class PkvGraphRunner(GraphRunner):
                          for b in buckets}
 
     def prepare(self, step, bucket):
-        width = -(-int(np.max(step.seq_lens)) // self.cache.shape.page_size)   # the pages the longest row reads
+        width = -(-int(step.seq_lens.max()) // self.cache.shape.page_size)   # the pages the longest row reads
         self.wrappers[bucket].update(self.table[step.request_ids, :width], step.seq_lens)
 
     def attend(self, bucket):
