@@ -11,6 +11,8 @@ in `run()` allocates (with `out=`), syncs or plans on the host, so a whole model
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 
@@ -22,6 +24,7 @@ from pkv.engines.common import PinnedStaging
 from pkv.engines.graph import check_graph_shape
 
 
+@functools.cache   # update() is a hot path: one dict lookup, not a dtype parsed from a string
 def _unsigned(dtype: np.dtype) -> np.dtype:
     """The unsigned integer of the same size and byte order (a view of it reads a negative as huge)."""
     return np.dtype(dtype.str.replace("i", "u"))
