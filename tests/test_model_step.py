@@ -232,31 +232,89 @@ def test_model_shapes_and_the_70b_like_shape():
 
 
 def _weight_bytes(shape) -> int:
-    h = shape.hidden
-    return 2 * shape.layers * (h * shape.qkv + h * h + h * 2 * shape.mlp + shape.mlp * h + 2 * h)
+    return shape.layers * shape.layer_weight_bytes(2)
 
 
-def test_the_paper_shapes_fit_an_h200():
-    """docs/graph-decode.md's arithmetic on the paper config's traces: per-layer KV (the pages
-    the measured steps read, 16-bit; FP8 replaces it in place) plus one shape's weights < 139 GiB."""
+def test_layer_weight_bytes_count_the_models_tensors():
+    m = runners.DecoderModel(runners.MODEL_SHAPES["smoke-gqa8"], torch.float16, "cpu", 0)
+    layer = m.layers[0]
+    tensors = (layer.ln1, layer.wqkv, layer.wo, layer.ln2, layer.wgu, layer.wdown)
+    assert m.shape.layer_weight_bytes(2) == sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _paper_pages():
+    """The pages each paper trace's measured steps read, by model shape (the largest per shape)."""
     cfg = Config.from_dict(effective(RAW, "paper"))
     d = mp.PROFILE_DEFAULTS["paper"]
     traces = [ms.synthetic_trace(cfg, f, s) for f in d.families for s in cfg.seeds.heldout]
     traces.append(ms.external_trace(cfg, REPO / cfg.external.path))
     worst = {}
     for name in d.shapes:
-        shape = runners.MODEL_SHAPES[name]
-        s = shape.attention(cfg.shape.page_size, cfg.shape.dtype)
+        s = runners.MODEL_SHAPES[name].attention(cfg.shape.page_size, cfg.shape.dtype)
         for t in traces:
             steps = [st for b in d.buckets for st in mp.spread_steps(t, b, d.steps)]
-            pages = stages.layer_assignment(t, s, cfg.measure.holes, 1, steps).num_pages
-            # + one layer of FP8 during the in-place quantization
-            need = _weight_bytes(shape) + mp.kv_bytes(s, pages, shape.layers) + mp.kv_bytes(s, pages, 1)
-            worst[name] = max(worst.get(name, 0), need)
+            worst[name] = max(worst.get(name, 0), stages.layer_assignment(t, s, cfg.measure.holes, 1, steps).num_pages)
+    return cfg, worst
+
+
+def test_the_paper_shapes_fit_an_h200():
+    """docs/graph-decode.md's arithmetic on the paper config's traces: per-layer KV (the pages
+    the measured steps read, 16-bit; FP8 replaces it in place) plus one shape's weights < 139 GiB."""
+    cfg, pages = _paper_pages()
+    worst = {}
+    for name, n in pages.items():
+        shape = runners.MODEL_SHAPES[name]
+        s = shape.attention(cfg.shape.page_size, cfg.shape.dtype)
+        # + one layer of FP8 during the in-place quantization
+        worst[name] = _weight_bytes(shape) + mp.kv_bytes(s, n, shape.layers) + mp.kv_bytes(s, n, 1)
+        assert mp.fitted(shape, s, n, 139 * 2 ** 30) is shape      # the stage runs every configured layer
     assert max(worst.values()) < 139 * 2 ** 30 * 0.9, {k: v / 2 ** 30 for k, v in worst.items()}
     # 80 layers of the 70B-like shape would not: why it is simulated with fewer.
     full = runners.ModelShape("llama-70b", 80, 8192, 64, 8, 128, 28672)
     assert _weight_bytes(full) > 139 * 2 ** 30 * 0.9
+
+
+def test_a_smaller_card_simulates_the_model_with_the_layers_that_fit():
+    """An H100's 79 GiB hold neither the 8B-like shape's 32 layers of bimodal B8 KV nor the
+    70B-like shape's 24: each runs the most layers that fit beside the reserve and one FP32
+    draw, named as a simulation of the model's own count; a card short of one layer is refused."""
+    cfg, pages = _paper_pages()
+    h100 = 79 * 2 ** 30
+    for name in ("llama-8b", "llama-70b"):
+        shape = runners.MODEL_SHAPES[name]
+        s = shape.attention(cfg.shape.page_size, cfg.shape.dtype)
+        fit = mp.fitted(shape, s, pages[name], h100)
+        assert 1 <= fit.layers < shape.layers and fit.of_layers == (shape.of_layers or shape.layers)
+        assert (fit.hidden, fit.mlp, fit.name) == (shape.hidden, shape.mlp, shape.name)
+
+        def need(layers):
+            return (layers * (fit.layer_weight_bytes(2) + mp.kv_bytes(s, pages[name], 1))
+                    + 2 * mp.kv_bytes(s, pages[name], 1) + mp.RESERVE_BYTES)
+
+        assert need(fit.layers) <= h100 < need(fit.layers + 1)
+        with pytest.raises(MemoryError, match=rf"{name}: one layer of {pages[name]} KV pages needs .* GiB is free"):
+            mp.fitted(shape, s, pages[name], need(1) - 1)
+    small = runners.MODEL_SHAPES["smoke"]
+    assert mp.fitted(small, small.attention(4, "float16"), 10 ** 9, None) is small    # the CPU: no limit
+
+
+def test_the_stage_runs_the_layers_that_fit_and_names_the_simulation(monkeypatch):
+    """run() sizes each shape before building it: one layer of `smoke` fits (its rows, caches
+    and `simulated` say 1 of 2), none of `smoke-gqa8` (named in dropped; nothing of it runs)."""
+    real = mp.fitted
+
+    def free_for_one_layer(shape, s, pages, free):
+        one = mp.RESERVE_BYTES + 3 * mp.kv_bytes(s, pages, 1) + shape.layer_weight_bytes(s.itemsize)
+        return real(shape, s, pages, one if shape.name == "smoke" else one - 1)
+
+    monkeypatch.setattr(ms, "fitted", free_for_one_layer)
+    plan = smoke_plan(buckets=[2], steps=1, kv_dtypes=["auto"])
+    dropped, memory, simulated = {}, {}, {}
+    frame = ms.run(plan, log=lambda m: None, dropped=dropped, memory=memory, simulated=simulated)
+    assert set(frame["model"]) == {"smoke"} and set(frame["layers"]) == {1} and set(frame["kv_layers"]) == {1}
+    assert not frame[frame["kind"] == "step"]["failed"].any()
+    assert simulated == {"smoke": "1 of 2 layers"} and memory[f"smoke/bimodal-{SEED}"]["layers"] == 1
+    assert list(dropped) == ["smoke-gqa8"] and dropped["smoke-gqa8"].startswith("MemoryError: model shape smoke-gqa8")
 
 
 # ---------------------------------------------------------------- buckets, padding, failures

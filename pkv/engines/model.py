@@ -64,6 +64,11 @@ class ModelShape:
     def qkv(self) -> int:
         return (self.num_qo_heads + 2 * self.num_kv_heads) * self.head_dim
 
+    def layer_weight_bytes(self, itemsize: int) -> int:
+        """One layer's weights (DecoderModel's Layer: QKV, output, gate-up, down, two gains)."""
+        h = self.hidden
+        return itemsize * (h * self.qkv + h * h + h * 2 * self.mlp + self.mlp * h + 2 * h)
+
 
 MODEL_SHAPES = {
     "llama-1b": ModelShape("llama-1b", 16, 2048, 32, 8, 64, 8192),      # Llama-3.2-1B-like

@@ -128,3 +128,32 @@ def adaptive_point(constants, family: str, max_active: int, fallback: str) -> st
 def kv_bytes(shape: Shape, pages: int, layers: int) -> int:
     """Bytes of `layers` per-layer caches of `pages` pages (K and V; FP8: one byte an element)."""
     return layers * pages * shape.page_size * 2 * shape.num_kv_heads * shape.head_dim * shape.kv_itemsize
+
+
+# Device memory a shape's weights and caches leave to the rest of the step: the runners'
+# workspaces (FlashInfer's 128 MiB float buffer per wrapper and bucket), the graphs' pools,
+# activations and the allocator's rounding.
+RESERVE_BYTES = 4 << 30
+
+
+def fitted(ms: ModelShape, shape: Shape, pages: int, free: int | None) -> ModelShape:
+    """`ms`, or the same model simulated by the most layers whose weights and per-layer KV
+    (`pages` pages each, 16-bit) fit `free` bytes of device memory. Per-layer KV grows with
+    the layers: an 8B-like model's 32 layers of bimodal B8 KV take 67 GiB beside 13 GiB of
+    weights, more than an H100's 79 GiB. Counted beside the layers: RESERVE_BYTES and the
+    FP32 draw of the layer being made (two 16-bit layers; FP8's in-place quantization needs
+    half of one). The simulated shape's `of_layers` is the model's own count, so the
+    table's source line names it. `free` None (the CPU): `ms`."""
+    if free is None:
+        return ms
+    layer_kv = kv_bytes(shape, pages, 1)
+    per_layer = layer_kv + ms.layer_weight_bytes(shape.itemsize)
+    room = free - RESERVE_BYTES - 2 * layer_kv
+    layers = max(room // per_layer, 0)
+    if layers >= ms.layers:
+        return ms
+    if layers < 1:
+        need = (per_layer + 2 * layer_kv + RESERVE_BYTES) / 2**30
+        raise MemoryError(f"model shape {ms.name}: one layer of {pages} KV pages needs {need:.1f} GiB of device "
+                          f"memory, {free / 2**30:.1f} GiB is free")
+    return replace(ms, layers=int(layers), of_layers=ms.of_layers or ms.layers)

@@ -11,7 +11,8 @@ its own random values), sized from the pages the measured steps read
 (pkv.core.paging.compact; the bytes are in the file's metadata, `kv_memory`). Not
 modelled, the same for every engine: writing the new token's K/V, rotary embedding,
 embedding lookup, LM head and sampling. A shape with `of_layers` (llama-70b) simulates
-its model with fewer layers (metadata `simulated_layers`).
+its model with fewer layers, as does any shape whose layers and caches do not all fit the
+device (model_plan.fitted); metadata `simulated_layers` names both.
 
 Each trace is served by pkv.core.harness continuous batching at max_active = each bucket;
 `steps` decode steps evenly spaced over the served trace are measured; a step of B rows
@@ -39,6 +40,7 @@ import statistics
 import sys
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,10 +51,12 @@ from pkv.config.resolve import device_of, point_key
 from pkv.config.typed import Config
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
+from pkv.core.paging import PageAssignment
+from pkv.core.shape import Shape
 from pkv.engines import table
 from pkv.engines.model import DecoderModel, Runner, step_input
-from pkv.measure.model_plan import (Plan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps, kv_bytes,
-                                    settings, spread_steps)
+from pkv.measure.model_plan import (Plan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps, fitted,
+                                    kv_bytes, settings, spread_steps)
 from pkv.measure.model_runners import build_runners
 from pkv.measure.stages import external_trace, layer_assignment, layer_caches, synthetic_trace
 from pkv.measure.timing import StepClock
@@ -158,43 +162,89 @@ def _warm(runners: dict[str, Runner], first: dict[int, StepState], dropped: dict
                 torch.cuda.synchronize()
 
 
-def run(plan: Plan, log=print, dropped: dict[str, str] | None = None, memory: dict | None = None) -> pd.DataFrame:
-    """Every (shape, trace, kv_dtype, max_active) job. One shape's weights at a time; per
-    (shape, trace) one set of per-layer caches, runners and graphs, reused for every
-    max_active. An engine whose capture fails, or a (shape, trace) whose measurement fails,
-    is named in `dropped` with its error (traceback on stderr), and the rest goes on."""
+def run(plan: Plan, log=print, dropped: dict[str, str] | None = None, memory: dict | None = None,
+        simulated: dict[str, str] | None = None) -> pd.DataFrame:
+    """Every (shape, trace, kv_dtype, max_active) job. One shape's weights at a time, with as
+    many of its layers as fit the device beside its caches (model_plan.fitted; the count run
+    goes in `simulated` where it is fewer than the model's); per (shape, trace) one set of
+    per-layer caches, runners and graphs, reused for every max_active. An engine whose capture
+    fails, or a (shape, trace) whose measurement fails, is named in `dropped` with its error
+    (traceback on stderr), and the rest goes on."""
     cfg = plan.cfg
     device = device_of(cfg)
     clock = StepClock(device == "cuda")
     start = time.monotonic()
     dropped = {} if dropped is None else dropped
     memory = {} if memory is None else memory
+    simulated = {} if simulated is None else simulated
     rows = []
     for ms in plan.shapes:
-        model = DecoderModel(ms, ms.attention(cfg.shape.page_size, cfg.shape.dtype).torch_dtype, device,
-                             cfg.seeds.ablation)
+        shape = ms.attention(cfg.shape.page_size, cfg.shape.dtype)
+        layouts = {}
         for job in plan.traces:
             try:
-                _serve_trace(plan, model, job, clock, start, rows, dropped, memory, log)
+                layouts[job.name] = _layout(plan, shape, job)
+            except Exception as e:  # noqa: BLE001 - as a failed measurement (below)
+                _job_failed(ms.name, job.name, e, dropped, log)
+        if not layouts:
+            continue
+        try:
+            ms = fitted(ms, shape, max(lay.assignment.num_pages for lay in layouts.values()), _free_bytes(device))
+        except MemoryError as e:
+            dropped[ms.name] = _error(e)
+            log(f"model_step {ms.name}: not run: {_error(e)}")
+            continue
+        if ms.of_layers:
+            simulated[ms.name] = f"{ms.layers} of {ms.of_layers} layers"
+        model = DecoderModel(ms, shape.torch_dtype, device, cfg.seeds.ablation)
+        for job in (j for j in plan.traces if j.name in layouts):
+            try:
+                _serve_trace(plan, model, job, layouts[job.name], clock, start, rows, dropped, memory, log)
             except Exception as e:  # noqa: BLE001 - keep the other jobs' rows; the error goes in the metadata
-                traceback.print_exc(file=sys.stderr)
-                dropped[f"{ms.name}/{job.name}"] = _error(e)
-                log(f"model_step {ms.name} {job.name}: failed, kept what was measured: {_error(e)}")
+                _job_failed(ms.name, job.name, e, dropped, log)
             if device == "cuda":
                 torch.cuda.empty_cache()
         del model
     return pd.DataFrame(rows, columns=list(COLUMNS)).astype(COLUMNS)
 
 
-def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, clock: StepClock, start: float, rows: list,
-                 dropped: dict, memory: dict, log) -> None:
+def _job_failed(shape: str, job: str, e: Exception, dropped: dict, log) -> None:
+    traceback.print_exc(file=sys.stderr)
+    dropped[f"{shape}/{job}"] = _error(e)
+    log(f"model_step {shape} {job}: failed, kept what was measured: {_error(e)}")
+
+
+def _free_bytes(device: str) -> int | None:
+    """Device memory free for the next shape (its predecessor's blocks released first); None on the CPU."""
+    if device != "cuda":
+        return None
+    torch.cuda.empty_cache()
+    return torch.cuda.mem_get_info()[0]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One (shape, trace)'s measured steps per bucket, each bucket's capture step and the
+    page table every layer shares (the pages those steps read)."""
+
+    step_sets: dict[int, list[StepState]]
+    first: dict[int, StepState]
+    assignment: PageAssignment
+
+
+def _layout(plan: Plan, shape: Shape, job: TraceJob) -> Layout:
+    step_sets = {b: spread_steps(job.trace, b, plan.steps) for b in plan.buckets}
+    assignment = layer_assignment(job.trace, shape, plan.cfg.measure.holes, job.seed,
+                                  [st for steps in step_sets.values() for st in steps])
+    return Layout(step_sets, first_steps(step_sets.values(), plan.buckets), assignment)
+
+
+def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, layout: Layout, clock: StepClock, start: float,
+                 rows: list, dropped: dict, memory: dict, log) -> None:
     """One (shape, trace): each kv_dtype (16-bit first) x every max_active in plan.buckets."""
     cfg, ms = plan.cfg, model.shape
     shape = ms.attention(cfg.shape.page_size, cfg.shape.dtype)
-    step_sets = {b: spread_steps(job.trace, b, plan.steps) for b in plan.buckets}
-    first = first_steps(step_sets.values(), plan.buckets)
-    assignment = layer_assignment(job.trace, shape, cfg.measure.holes, job.seed,
-                                  [st for steps in step_sets.values() for st in steps])
+    step_sets, first, assignment = layout.step_sets, layout.first, layout.assignment
     memory[f"{ms.name}/{job.name}"] = {"pages": assignment.num_pages, "layers": ms.layers,
                                        "bytes_16bit": kv_bytes(shape, assignment.num_pages, ms.layers)}
     caches = layer_caches(shape, assignment, device_of(cfg), job.seed, ms.layers)
@@ -258,7 +308,8 @@ def _stage(cfg: Config, k, jobs: list[TraceJob], command: str):
     plan = build_plan(cfg, jobs, k)
     dropped: dict[str, str] = {}
     memory: dict = {}
-    frame = run(plan, log=lambda m: print(m, file=sys.stderr), dropped=dropped, memory=memory)
+    simulated: dict[str, str] = {}
+    frame = run(plan, log=lambda m: print(m, file=sys.stderr), dropped=dropped, memory=memory, simulated=simulated)
     if frame.empty:
         raise RuntimeError(f"model_step: nothing was measured ({json.dumps(dropped)})")
     steps = frame[frame["kind"] == "step"]
@@ -266,7 +317,6 @@ def _stage(cfg: Config, k, jobs: list[TraceJob], command: str):
     print(f"model_step: {len(frame)} rows; correctness failures: "
           f"{', '.join(f'{e}/{d}={int(n)}' for (e, d), n in fails.items())}"
           + (f"; dropped: {dropped}" if dropped else ""), file=sys.stderr)
-    simulated = {s.name: f"{s.layers} of {s.of_layers} layers" for s in plan.shapes if s.of_layers}
     meta = {"command": command, "method": METHOD, "tolerance": json.dumps({**TOLERANCE, "fp8": FP8_TOLERANCE}),
             "buckets": json.dumps(plan.buckets), "engines": json.dumps(plan.engines),
             "shapes": json.dumps([s.name for s in plan.shapes]), "kv_dtypes": json.dumps(plan.kv_dtypes),
