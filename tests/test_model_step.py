@@ -317,6 +317,30 @@ def test_the_stage_runs_the_layers_that_fit_and_names_the_simulation(monkeypatch
     assert list(dropped) == ["smoke-gqa8"] and dropped["smoke-gqa8"].startswith("MemoryError: model shape smoke-gqa8")
 
 
+def test_a_stage_sizes_its_shapes_over_every_held_out_seed(monkeypatch):
+    """Every seed's file of `pkv measure model-step` runs the same layers: the fit reads the most
+    pages any held-out seed's trace reads, not the seed's own (the external stage: its trace)."""
+    cfg = smoke_cfg()
+    seen = {}
+
+    def stage(cfg, k, jobs, command, sizing=None):
+        seen[command] = ([j.seed for j in jobs], sorted({j.seed for j in sizing or jobs}))
+
+    monkeypatch.setattr(ms, "_stage", stage)
+    ms.model_step(cfg, None, SEED)
+    assert seen[f"pkv measure model-step --seed {SEED}"] == ([SEED], sorted(cfg.seeds.heldout))
+
+    sizing = [mp.TraceJob(t.name, "bimodal", s, t) for s in cfg.seeds.heldout
+              for t in (ms.synthetic_trace(cfg, "bimodal", s),)]
+    plan = mp.build_plan(cfg, [j for j in sizing if j.seed == SEED], None, sizing)
+    shape = runners.MODEL_SHAPES["smoke"].attention(cfg.shape.page_size, cfg.shape.dtype)
+    pages = {j.seed: ms._layout(plan, shape, j).assignment.num_pages for j in sizing}
+    assert len(set(pages.values())) > 1       # the seeds differ, so the bound is not the own trace's by chance
+    own = {j.name: ms._layout(plan, shape, j) for j in plan.traces}
+    assert ms._sizing_pages(plan, shape, own) == max(pages.values())
+    assert ms._sizing_pages(mp.build_plan(cfg, plan.traces), shape, own) == pages[SEED]
+
+
 # ---------------------------------------------------------------- buckets, padding, failures
 
 

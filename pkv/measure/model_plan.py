@@ -54,6 +54,9 @@ class Plan:
     repeats: int
     kv_dtypes: list[str]
     constants: object = None
+    # The traces whose pages size a shape to the device (`fitted`): every file of a stage
+    # then runs the same layers, however its own trace's pages fall. Default: `traces`.
+    sizing: list[TraceJob] | None = None
 
 
 def settings(cfg: Config) -> ModelStep:
@@ -64,7 +67,7 @@ def settings(cfg: Config) -> ModelStep:
                             if getattr(given, f.name) is not None})
 
 
-def build_plan(cfg: Config, traces: list[TraceJob], constants=None) -> Plan:
+def build_plan(cfg: Config, traces: list[TraceJob], constants=None, sizing: list[TraceJob] | None = None) -> Plan:
     s = settings(cfg)
     allowed = CPU_ENGINES if cfg.profile == "smoke" else GPU_ENGINES
     wrong = [e for e in s.engines if e not in allowed]
@@ -75,7 +78,8 @@ def build_plan(cfg: Config, traces: list[TraceJob], constants=None) -> Plan:
         raise ConfigError("model_step.kv_dtypes: the 16-bit cache ('auto') comes first (FP8's accuracy is "
                           "measured against it)")
     return Plan(cfg, [MODEL_SHAPES[n] for n in s.shapes], sorted(s.buckets), traces, s.steps, list(s.engines),
-                s.repeats, list(s.kv_dtypes), constants if any(e in runners("routed") for e in s.engines) else None)
+                s.repeats, list(s.kv_dtypes), constants if any(e in runners("routed") for e in s.engines) else None,
+                sizing)
 
 
 # ---------------------------------------------------------------- buckets and steps

@@ -189,7 +189,7 @@ def run(plan: Plan, log=print, dropped: dict[str, str] | None = None, memory: di
         if not layouts:
             continue
         try:
-            ms = fitted(ms, shape, max(lay.assignment.num_pages for lay in layouts.values()), _free_bytes(device))
+            ms = fitted(ms, shape, _sizing_pages(plan, shape, layouts), _free_bytes(device))
         except MemoryError as e:
             dropped[ms.name] = _error(e)
             log(f"model_step {ms.name}: not run: {_error(e)}")
@@ -214,12 +214,20 @@ def _job_failed(shape: str, job: str, e: Exception, dropped: dict, log) -> None:
     log(f"model_step {shape} {job}: failed, kept what was measured: {_error(e)}")
 
 
+def _sizing_pages(plan: Plan, shape: Shape, layouts: dict[str, Layout]) -> int:
+    """The most pages any of the plan's sizing traces reads (its own traces' where it names none)."""
+    pages = [lay.assignment.num_pages for lay in layouts.values()]
+    pages += [_layout(plan, shape, job).assignment.num_pages for job in plan.sizing or () if job.name not in layouts]
+    return max(pages)
+
+
 def _free_bytes(device: str) -> int | None:
-    """Device memory free for the next shape (its predecessor's blocks released first); None on the CPU."""
+    """Device memory free for the next shape (its predecessor's blocks released first), in
+    whole GiB so that every process of a stage on one card sizes alike; None on the CPU."""
     if device != "cuda":
         return None
     torch.cuda.empty_cache()
-    return torch.cuda.mem_get_info()[0]
+    return torch.cuda.mem_get_info()[0] >> 30 << 30
 
 
 @dataclass(frozen=True)
@@ -289,9 +297,14 @@ def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, layout: Layout,
 def model_step(cfg: Config | dict, k, seed: int):
     """`pkv measure model-step --seed S`: the model_step section's synthetic families on one held-out seed."""
     cfg = Config.of(cfg)
-    jobs = [TraceJob(t.name, family, seed, t) for family in settings(cfg).families
-            for t in (synthetic_trace(cfg, family, seed),)]
-    return _stage(cfg, k, jobs, f"pkv measure model-step --seed {seed}")
+
+    def jobs(s: int) -> list[TraceJob]:
+        return [TraceJob(t.name, family, s, t) for family in settings(cfg).families
+                for t in (synthetic_trace(cfg, family, s),)]
+
+    # Sized over every held-out seed's traces: the five files of a run hold the same layers.
+    sizing = [j for s in cfg.seeds.heldout for j in jobs(s)]
+    return _stage(cfg, k, jobs(seed), f"pkv measure model-step --seed {seed}", sizing)
 
 
 def model_step_external(cfg: Config | dict, k, trace: Path):
@@ -304,8 +317,8 @@ def model_step_external(cfg: Config | dict, k, trace: Path):
     return frame, {**meta, "trace_name": name, "trace_title": title}
 
 
-def _stage(cfg: Config, k, jobs: list[TraceJob], command: str):
-    plan = build_plan(cfg, jobs, k)
+def _stage(cfg: Config, k, jobs: list[TraceJob], command: str, sizing: list[TraceJob] | None = None):
+    plan = build_plan(cfg, jobs, k, sizing)
     dropped: dict[str, str] = {}
     memory: dict = {}
     simulated: dict[str, str] = {}
