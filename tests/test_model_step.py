@@ -164,6 +164,7 @@ def test_smoke_end_to_end_through_pkv_measure(frozen, capsys):
     assert rm.main(["--target", str(md)]) == 0
     text = md.read_text()
     assert "CPU smoke — not a performance result" in text and "| smoke-gqa8 " in text and "| fp8 " in text
+    assert "served at max_active = 1 and 4 (continuous batching)" in text      # the smoke section's buckets
     assert "its own KV tensor" in text and "Azure conv" in text
     assert re.search(r"\| 0/\d+ +\|", text) and not re.search(r"\| [1-9]\d*/\d+ +\|", text)
 
@@ -494,6 +495,7 @@ def test_report_per_kv_dtype_with_accuracy_and_the_16_bit_ratio(tmp_path):
                   {"gpu": "NVIDIA H200", "simulated_layers": json.dumps({"llama-70b": "24 of 80 layers"})})
     text = rm.render_md(*rm.load(tmp_path))
     assert "its own KV tensor" in text and "simulated layers: llama-70b: 24 of 80 layers" in text
+    assert "served at max_active = 8 (continuous batching)" in text
 
 
 def test_report_refuses_a_missing_stage_and_mixed_gpus(tmp_path):

@@ -139,7 +139,7 @@ def t_model_step(raw) -> pd.DataFrame:
     return table(raw.frame)
 
 
-CAPTION = ("Each trace is served at max_active = 1, 8 and 32 (continuous batching), and decode steps evenly "
+CAPTION = ("Each trace is served at max_active = {buckets} (continuous batching), and decode steps evenly "
            "spaced over it are measured; a step of b rows runs in the smallest bucket >= b (padded). Per bucket: "
            "medians over the steps that ran in it (serial pass; wall: host prepare + launch + synchronize; "
            "device: CUDA events around the graph replay, or around the eager layers); pipelined tok/s: the job "
@@ -166,7 +166,7 @@ def provenance_line(metas: list[dict]) -> str:
         parts.append(f"skipped past the time budget: {', '.join(skipped)}")
     dropped = sorted({f"{k} ({v})" for m in metas for k, v in _json_dict(m.get("engine_errors", "{}")).items()})
     if dropped:
-        parts.append(f"engines dropped (capture or warm-up failed): {'; '.join(dropped)}")
+        parts.append(f"not measured: {'; '.join(dropped)}")
     simulated = sorted({f"{k}: {v}" for m in metas for k, v in _json_dict(m.get("simulated_layers", "{}")).items()})
     if simulated:
         parts.append(f"simulated layers: {'; '.join(simulated)}")
@@ -198,8 +198,14 @@ def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
     smoke = any(m.get("profile") == "smoke" for m in metas)
     banner = f"> **{SMOKE_BANNER}.**\n\n" if smoke else ""
     body = tabulate(table(frame), headers="keys", tablefmt="github", showindex=False, disable_numparse=True)
-    caption = CAPTION_KV if "kv_dtype" in frame.columns else CAPTION
+    caption = (CAPTION_KV if "kv_dtype" in frame.columns else CAPTION).format(buckets=_buckets(frame))
     return f"# {TITLE}\n\n{banner}{caption}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
+
+
+def _buckets(frame: pd.DataFrame) -> str:
+    """The max_active values the files served, in words ("1, 8 and 32")."""
+    b = [str(int(x)) for x in sorted(frame["max_active"].unique())]
+    return b[0] if len(b) == 1 else f"{', '.join(b[:-1])} and {b[-1]}"
 
 
 MARKERS = "osD^vP"
