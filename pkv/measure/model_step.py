@@ -297,14 +297,10 @@ def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, layout: Layout,
 def model_step(cfg: Config | dict, k, seed: int):
     """`pkv measure model-step --seed S`: the model_step section's synthetic families on one held-out seed."""
     cfg = Config.of(cfg)
-
-    def jobs(s: int) -> list[TraceJob]:
-        return [TraceJob(t.name, family, s, t) for family in settings(cfg).families
-                for t in (synthetic_trace(cfg, family, s),)]
-
     # Sized over every held-out seed's traces: the five files of a run hold the same layers.
-    sizing = [j for s in cfg.seeds.heldout for j in jobs(s)]
-    return _stage(cfg, k, jobs(seed), f"pkv measure model-step --seed {seed}", sizing)
+    sizing = [TraceJob(t.name, family, s, t) for s in cfg.seeds.heldout for family in settings(cfg).families
+              for t in (synthetic_trace(cfg, family, s),)]
+    return _stage(cfg, k, [j for j in sizing if j.seed == seed], f"pkv measure model-step --seed {seed}", sizing)
 
 
 def model_step_external(cfg: Config | dict, k, trace: Path):
