@@ -139,8 +139,9 @@ def test_replayed_route_fit_reorders_homogeneous_b1():
     """The reference run's homogeneous B1 step (one row of ~32.8K tokens): the shared roofline
     (CUDA-event fit) costs the workqueue above FlashInfer-TC on the device (~40 % at 5929998,
     ~20 % at 5bb60ee), while its route fit, made on the calibration seed's replayed rows, orders
-    it against FlashInfer-TC as graph replay measured on the held-out seeds (first at 5929998-
-    a881d96; behind at 7972646's frozen s8) and lands within 5 % of it on every seed."""
+    it against FlashInfer-TC as graph replay measured on the held-out seeds (ahead at 5929998-
+    a881d96 and at c8880c7's frozen s24; behind at 7972646's s8) and lands within 5 % of it on
+    every seed."""
     k = Constants.load(COMMITTED).at("homogeneous-b1")
     lens = np.array([32785], dtype=np.int32)
     policies = {kind: SplitPolicy(k.split("homogeneous-b1", kind), k.min_tiles_per_split) for kind in ("bucket", "workqueue")}
