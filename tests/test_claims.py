@@ -1,6 +1,6 @@
 """The claims table (pkv.report.claims): its verdict rule, its numbers against the tables
-that show them, that it is a report target of the paper profile's `all`, and that the
-README's copy of it is the generated file's."""
+that show them, and that it is a report target of the paper profile's `all` (the README links
+it and quotes its verdict counts: tests/test_readme_commands.py)."""
 
 from pathlib import Path
 
@@ -146,7 +146,7 @@ def test_other_claims_are_their_tables_cells(measured, table):
         measured["Nsight: PersistentKV decode ÷ FlashInfer decode kernel time"][1]
 
 
-# ---------------------------------------------------------------- a report target, in `all`, in the README
+# ---------------------------------------------------------------- a report target, in `all`
 
 
 def test_the_claims_table_is_a_report_target_of_the_paper_profile():
@@ -155,19 +155,3 @@ def test_the_claims_table_is_a_report_target_of_the_paper_profile():
     assert in_all(spec, "paper") and not in_all(spec, "smoke")   # smoke numbers would make the verdicts meaningless
     assert _build_target(RESULTS, CLAIMS_MD, {}) == CLAIMS_MD.read_bytes()
 
-
-def _table_lines(text: str, after: str = "") -> list[str]:
-    """The first Markdown table's lines in `text` after the heading `after`."""
-    lines = text[text.index(after):].splitlines() if after else text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
-    end = next((i for i in range(start, len(lines)) if not lines[i].startswith("|")), len(lines))
-    return lines[start:end]
-
-
-def test_the_readme_claims_table_is_the_generated_one():
-    readme = (REPO / "README.md").read_text()
-    assert readme.index("\n## Quick start\n") < readme.index("\n## Results\n") < readme.index("\n## API\n")
-    generated = _table_lines(CLAIMS_MD.read_text())
-    assert len(generated) == len(claims.CLAIMS) + 2
-    assert _table_lines(readme, "\n## Results\n") == generated, \
-        "README.md's claims table differs from results/tables/claims.md: copy the generated rows"
