@@ -136,7 +136,7 @@ def test_the_trace_families_come_from_their_table(monkeypatch):
     assert list(SCHEMA["$defs"]["sections"]["traces"]["properties"]) == list(families.FAMILIES)
     assert SCHEMA["properties"]["traces"]["required"] == list(families.FAMILIES)
     assert [f.name for f in dataclasses.fields(typed.Traces)] == list(families.FAMILIES)
-    monkeypatch.setitem(families.FAMILIES, "newfam", "a test family")
+    monkeypatch.setitem(families.FAMILIES, "newfam", families.Family("a test family", "uniform"))
     schema = resolve.load_schema()
     assert "newfam" in schema["$defs"]["sections"]["traces"]["properties"]
     assert "newfam" in schema["properties"]["traces"]["required"] and "newfam" in schema["$defs"]["family"]["enum"]
