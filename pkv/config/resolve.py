@@ -66,11 +66,29 @@ def strict_yaml(text: str, source: str):
             return super().construct_mapping(node, deep)
 
     try:
+        _refuse_cycles(yaml.compose(text, Loader=Loader), source)
         return yaml.load(text, Loader=Loader)   # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f":{mark.line + 1}" if mark is not None else ""
         raise ConfigError(f"{source}{where}: not valid YAML ({getattr(e, 'problem', None) or e})") from None
+
+
+def _refuse_cycles(root, source: str) -> None:
+    """Refuse a document that contains itself through an alias (`a: &x [1, *x]`): every
+    reader of a config walks it to its leaves, so it would recurse without end."""
+    import yaml
+
+    stack = [(root, ())]
+    while stack:
+        node, ancestors = stack.pop()
+        if any(node is a for a in ancestors):
+            raise ConfigError(f"{source}:{node.start_mark.line + 1}: a YAML alias refers to the node that contains "
+                              "it (the anchor on this line); a config cannot contain itself")
+        if isinstance(node, yaml.SequenceNode):
+            stack += [(child, (*ancestors, node)) for child in node.value]
+        elif isinstance(node, yaml.MappingNode):
+            stack += [(child, (*ancestors, node)) for pair in node.value for child in pair]
 
 
 def read_config_file(path: str | Path) -> dict:
