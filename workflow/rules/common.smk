@@ -14,8 +14,8 @@ os.environ.setdefault("PKV_WORKER", "on")
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coerce, effective, gpu_name, load_schema,
                                 read_config_file, resolve_profile, run_root, validate_config)
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
-from pkv.config.jobs import STAGE_FILES, stage_files, stage_jobs
-from pkv.config.stages import external_identity
+from pkv.config.jobs import stage_files, stage_jobs, stage_paths, stage_pattern
+from pkv.config.stages import STAGES, external_identity
 from pkv.config.typed import Config
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
@@ -43,13 +43,9 @@ ROOT = run_root(PROFILE, config["run"], GPU)
 # The committed reference run: up to date when its files are there, whatever their mtimes
 # (a fresh clone's are checkout times), and never re-made from a different config.
 REFERENCE = ROOT == REFERENCE_ROOT
-HELDOUT = [str(s) for s in C["seeds"]["heldout"]]
-# The values a stage's one process runs through (pkv.config.stages: `many`); the serving
-# stage's jobs are pkv.config.jobs' (family, max_active, seed), one engine set's worth.
+# The serving stage's jobs of one engine set (family, max_active, seed): its rule's files
+# and flags, one engine set per job (the other stages': job_values, stage_outputs).
 SERVE_JOBS = list(dict.fromkeys((j["family"], str(j["max_active"]), str(j["seed"])) for j in stage_jobs(C, "serve")))
-GQA_GROUPS = [str(g) for g in C["ablations"]["gqa_sweep"]["groups"]]
-ISOLATED_CONTEXTS = [str(c) for c in C["isolated"]["contexts"]]
-ABLATION_SEED = str(C["seeds"]["ablation"])
 
 # A folder's frozen config.json must be what this config resolves to (never a hand-edited
 # one, never an older config's); a plan that cannot run fails here, before any job; and
@@ -116,31 +112,28 @@ def inputs(paths):
     return [inp(p) for p in paths]
 
 
-def model_step_outputs():
-    """The model step's Parquet files (workflow/rules/model.smk): one per held-out seed, one for the external trace."""
-    return [*rules.model_step.output.parquet, rules.model_step_external.output.parquet]
-
-
-# The stages measured outside the job grid of pkv.config.jobs: their rules' outputs.
-OTHER_STAGES = {
-    "model_step": model_step_outputs,
-    "calibration": lambda: [rules.freeze_config.output.config, *rules.calibrate_device.output],
-    "kernels": lambda: [rules.bench_kernels.output.parquet],
-    "fp8_kernels": lambda: [rules.bench_fp8_kernels.output.parquet],
-    "fp8_accuracy": lambda: [rules.bench_fp8_accuracy.output.parquet],
-    "host": lambda: [rules.bench_host.output.parquet],
-}
-
-
 def stage_outputs(stage):
-    """The Parquet (or capture) files of one raw stage, as the report reads them: for a
-    stage of the job grid, one file per job (pkv.config.jobs, the files the report
-    expects; tests check the rules write the same ones)."""
-    if stage in OTHER_STAGES:
-        return OTHER_STAGES[stage]()
-    if stage not in STAGE_FILES:
+    """The Parquet (or capture) files of one stage, as the report reads them, from its row
+    of pkv.config.stages: its rules' outputs where the row names rules, else one file per
+    job of its grid (pkv.config.jobs, the files the report expects; tests check the rules
+    write the same ones)."""
+    row = STAGES.get(stage)
+    if row is None:
         raise ValueError(f"unknown stage {stage!r}")
-    return [out(f"raw/{stage}/{name}") for name in stage_files(C, stage)]
+    if row.rules:
+        return [f for name in row.rules for f in getattr(rules, name).output]
+    return stage_paths(C, stage, ROOT)
+
+
+def job_values(stage, key):
+    """One value of `key` per job of `stage`, in the order of its files (stage_outputs): the
+    flag values of a rule that runs every job of the stage in one process."""
+    return [str(job[key]) for job in stage_jobs(C, stage)]
+
+
+def job_pattern(stage):
+    """The file of one job of `stage` with its identity's keys as wildcards (its rule's output)."""
+    return stage_pattern(stage, ROOT)
 
 
 def stage_inputs(stages):
