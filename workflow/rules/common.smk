@@ -2,7 +2,9 @@
 # the job-graph helpers the rules use as inputs. Imports nothing heavy: no torch, pandas,
 # pyarrow or matplotlib at parse time (tests/test_startup.py checks).
 import json
+import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -15,10 +17,36 @@ from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coer
                                 read_config_file, resolve_profile, run_root, validate_config)
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
 from pkv.config.jobs import stage_files, stage_jobs, stage_paths, stage_pattern
-from pkv.config.stages import STAGES, external_identity
+from pkv.config.stages import EXTERNAL_TITLE, STAGES, external_identity
 from pkv.config.typed import Config
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
+
+class _ReferenceMetadata(logging.Filter):
+    """Snakemake's notes that the committed reference run's files have no metadata ("N jobs
+    have missing provenance/metadata", one "Missing metadata for file" per file of
+    `snakemake --report`): a clone never has the .snakemake/ folder of the machine that
+    measured them, and nothing depends on it (a reference file is up to date by being
+    there, inp). One line says so instead."""
+
+    said = False
+
+    def filter(self, record):
+        text = str(record.msg)
+        if not (text.startswith("Missing metadata for file ") or " have missing provenance/metadata" in text):
+            return True
+        if type(self).said:
+            return False
+        type(self).said = True
+        record.msg, record.args = (f"*** the committed reference run {REFERENCE_ROOT}/ was measured on another "
+                                   "machine: Snakemake has no metadata of its files here, which is expected (a file "
+                                   "that is there is up to date)"), ()
+        return True
+
+
+def quiet_reference_metadata():
+    logging.getLogger("snakemake.logging").addFilter(_ReferenceMetadata())
+
 
 SCHEMA = load_schema(Path(workflow.basedir) / "workflow/schemas/config.schema.yaml")
 # Snakemake's YAML loader keeps the last of a key given twice: read config.yaml and every
@@ -55,6 +83,9 @@ check_runnable(C, REFERENCE)
 if workflow.is_main_process:
     lock_folder(ROOT, hold=writes_results(sys.argv[1:]))
 
+if REFERENCE:
+    quiet_reference_metadata()
+
 if PROFILE == "smoke":
     banner = "*" * 78
     print(f"{banner}\n*** SMOKE PROFILE: {SMOKE_BANNER}.\n*** Tiny shapes, CPU engines; "
@@ -80,6 +111,21 @@ CAPTION = "../report/caption.rst"   # renders a report rule's `caption` param (w
 def table_title(name, table):
     """A table's title; the external trace's is the config's trace's (pkv.config.stages.external_identity)."""
     return external_identity(C["external"])[1] if name == "external" else table.title
+
+
+def caption_title(name, table):
+    """A table's title in its report caption (reStructuredText): a title made from the
+    config's strings as plain text (rst_text), the code's own titles as written."""
+    title = table_title(name, table)
+    return title if title in (table.title, EXTERNAL_TITLE) else rst_text(title)
+
+
+def rst_text(text):
+    """`text` as plain text in reStructuredText, which the HTML report renders captions
+    from: every punctuation character backslash-escaped and lines joined, so a string of
+    the config (the external trace's title) makes no link (`javascript:` or other), role
+    or directive, only the text it says."""
+    return re.sub(r"([^\w\s])", r"\\\1", " ".join(str(text).split()))
 
 
 def table_outputs(name, table):
@@ -166,4 +212,41 @@ def final_outputs():
     figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
     build = [rules.build_kernels.output.manifest] if PROFILE == "paper" else []   # the GPU's kernels, first
-    return build + tables + figures + stage_outputs("nsight_kernels") + comparison
+    return build + tables + figures + stage_outputs("nsight_kernels") + comparison + measured_outputs()
+
+
+def measured_outputs():
+    """Every stage file the tables and figures of `all` read, as targets of their own:
+    Snakemake does not remake a missing input of an up-to-date table (it treats it like a
+    temporary file), so without this a deleted raw file, or the files a killed job's
+    outputs were removed for, would never be measured again and the table built from them
+    would stay. In the reference run a file that is there is up to date (inp: ancient)."""
+    specs = [*[t for t in TABLE_SPECS.values() if in_all(t, PROFILE, C)],
+             *[f for f in FIGURE_SPECS.values() if in_all(f, PROFILE, C)]]
+    return list(dict.fromkeys(f for spec in specs for stage in spec.stages for f in stage_outputs(stage)))
+
+
+def results_summary():
+    """One line for the end of a run: the results folder and the tables and figures in it."""
+    tables = sorted(p.name for p in Path(ROOT, "tables").glob("*.md"))
+    figures = sorted(Path(ROOT, "figures").glob("*.png"))
+    return (f"*** results in {ROOT}/: {len(tables)} tables in {ROOT}/tables/ ({', '.join(tables)}), "
+            f"{len(figures)} figures in {ROOT}/figures/; the HTML report: snakemake --report {ROOT}/report.html")
+
+
+def remove_stale_reports():
+    """Before a run that writes: remove every table and figure of `all` one of whose inputs
+    is gone (deleted, or removed by Snakemake with a killed job's outputs). This run makes
+    it again from the remade files; should that fail, no table is left standing on files
+    that are no longer there."""
+    made = [getattr(rules, f"report_{n}") for n, t in TABLE_SPECS.items() if in_all(t, PROFILE, C)]
+    made += [getattr(rules, f"plot_{n}") for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
+    for rule in made:
+        missing = [str(f) for f in rule.input if not Path(str(f)).exists()]
+        stale = [Path(str(f)) for f in rule.output if Path(str(f)).exists()]
+        if missing and stale:
+            for f in stale:
+                f.unlink()
+            print(f"*** removed {', '.join(map(str, stale))}: its input {missing[0]} is gone"
+                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; `all` makes it again",
+                  file=sys.stderr)
