@@ -107,7 +107,7 @@ def test_the_stages_read_the_config_through_it():
 
 
 def test_a_partial_kv_fp8_section_is_named_and_a_smoke_patch_of_it_is_fine():
-    """ablations.kv_fp8 is optional and, given, whole; the smoke section may change a few of
+    """ablations.kv_fp8 is required and whole (no default in code); the smoke section may change a few of
     its keys (deep-merged over the paper's)."""
     import copy
 

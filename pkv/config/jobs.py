@@ -11,7 +11,7 @@ Imports nothing heavy (the Snakefile may import it at parse time).
 
 from __future__ import annotations
 
-from pkv.config.resolve import ConfigError
+from pkv.config.errors import ConfigError
 from pkv.config.seeds import check_seed, stage_seeds
 from pkv.config.stages import STAGES
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Mapping, Optional
 
-from pkv.config.resolve import ConfigError
+from pkv.config.errors import ConfigError
 from pkv.config.stages import external_identity
 from pkv.core.families import FAMILIES
 
@@ -179,7 +179,7 @@ class Ablations:
     gqa_sweep: GqaSweep
     raggedness: Ablation
     implementation: Ablation
-    kv_fp8: Optional[KvFp8] = None   # optional: pkv.measure.stages.KV_FP8 when absent
+    kv_fp8: KvFp8
 
 
 MLP_PROXY_ENGINES = ("adaptive",)   # mlp_proxy.engines where the config names none
