@@ -100,8 +100,9 @@ STAGES: dict[str, Stage] = {
                    "{family}-b{max_active}-s{seed}-{engine_set}.parquet",
                    (*_POINT, ("seed", "seed"), ("engine_set", "text")),
                    many=("family", "max_active", "seed"), grid=_serving, seeds="heldout"),
-    "isolated": Stage("isolated", "Table 1: one request of CONTEXT tokens, 50%% holes", "isolated", "ctx{context}.parquet",
-                      (("context", "positive"),), many=("context",), grid=_contexts, seeds="ablation"),
+    "isolated": Stage("isolated", "Table 1: one request of CONTEXT tokens, 50%% holes", "isolated",
+                      "ctx{context}.parquet", (("context", "positive"),), many=("context",), grid=_contexts,
+                      seeds="ablation"),
     "split_sensitivity": Stage("split-sensitivity", "Table 7: the policy at the frozen split and its neighbours",
                                "split_sensitivity", "{family}-b{max_active}.parquet", _POINT, grid=_split_points,
                                seeds="ablation"),
@@ -170,4 +171,5 @@ def by_command(command: str) -> tuple[str, Stage]:
     for name, stage in STAGES.items():
         if stage.command is not None and stage.command == command:
             return name, stage
-    raise ValueError(f"unknown stage command {command!r}; choose from {[s.command for s in STAGES.values() if s.command]}")
+    commands = [s.command for s in STAGES.values() if s.command]
+    raise ValueError(f"unknown stage command {command!r}; choose from {commands}")

@@ -208,7 +208,8 @@ def final_outputs():
     Nsight capture when enabled, and for a paper run of your own, its comparison with the
     reference run."""
     tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if in_all(t, PROFILE, C)]
-    tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE, C)]
+    tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items()
+               if t.latex and in_all(t, PROFILE, C)]
     figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
     build = [rules.build_kernels.output.manifest] if PROFILE == "paper" else []   # the GPU's kernels, first
@@ -241,9 +242,9 @@ def remove_stale_reports():
     that are no longer there."""
     made = [getattr(rules, f"report_{n}") for n, t in TABLE_SPECS.items() if in_all(t, PROFILE, C)]
     made += [getattr(rules, f"plot_{n}") for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
-    for rule in made:
-        missing = [str(f) for f in rule.input if not Path(str(f)).exists()]
-        stale = [Path(str(f)) for f in rule.output if Path(str(f)).exists()]
+    for maker in made:
+        missing = [str(f) for f in maker.input if not Path(str(f)).exists()]
+        stale = [Path(str(f)) for f in maker.output if Path(str(f)).exists()]
         if missing and stale:
             for f in stale:
                 f.unlink()
