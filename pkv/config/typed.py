@@ -182,23 +182,13 @@ class Ablations:
     kv_fp8: KvFp8
 
 
-MLP_PROXY_ENGINES = ("adaptive",)   # mlp_proxy.engines where the config names none
-
-
 @dataclass(frozen=True)
 class MlpProxy:
     family: str
     max_active: int
     width: int
     layers: tuple[int, ...]
-    # Optional, absent in the committed reference run's config (its hash and meaning stay):
-    # the engines measured beside the baselines; `specs` is MLP_PROXY_ENGINES where absent.
-    engines: Optional[tuple[str, ...]] = None
-
-    @property
-    def specs(self) -> tuple[str, ...]:
-        """The engines the stage measures (besides the baselines): `engines`, else ("adaptive",)."""
-        return self.engines if self.engines is not None else MLP_PROXY_ENGINES
+    engines: tuple[str, ...]   # the engines measured beside the baselines
 
 
 @dataclass(frozen=True)

@@ -282,7 +282,7 @@ def mlp_proxy(cfg: Config | dict, k: Constants, seed: int) -> Result:
     c = cfg.mlp_proxy
     trace = synthetic_trace(cfg, c.family, seed)
     shape = _shape(cfg)
-    specs = _with_baselines(cfg, c.specs)
+    specs = _with_baselines(cfg, c.engines)
     frames, memory = [], {}
     for layers in c.layers:
         job = Job("mlp_proxy", trace.name, c.family, c.max_active, seed, shape.group, layers=layers)
