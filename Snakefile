@@ -32,6 +32,11 @@ include: "workflow/rules/fp8.smk"
 include: "workflow/rules/report.smk"
 
 
+# A table or figure whose inputs are gone is removed before a run that writes, never left stale.
+if workflow.is_main_process and writes_results(sys.argv[1:]):
+    remove_stale_reports()
+
+
 # The HTML report's description names the resolved profile and results folder (the raw
 # config says only `auto`); set after every check, so nothing validates or freezes it.
 config["report_run"] = {"profile": PROFILE, "folder": ROOT}
@@ -42,3 +47,8 @@ rule all:
     default_target: True
     input:
         final_outputs(),
+
+
+onsuccess:
+    # Where it went, as the run's last word (the results folder is named once, far above).
+    print(results_summary(), file=sys.stderr)

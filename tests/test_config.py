@@ -151,3 +151,18 @@ def test_every_stage_validates_the_frozen_config_against_the_schema(frozen):
     assert done.returncode == 2 and not (d / "c.json").exists()
     assert done.stderr.strip() == (f"pkv: error: {d / 'config.json'}: measure: Additional properties are not allowed "
                                    "('max_step' was unexpected)")
+
+
+def test_a_config_file_that_contains_itself_through_an_alias_is_one_line(tree):
+    """`a: &x [1, *x]` would make every reader of the config recurse without end (a
+    RecursionError of a thousand lines): it is refused with its file and line; an alias
+    that only repeats a node is fine."""
+    (tree / "loop.yaml").write_text("measure: {holes: 0.0}\nbaselines: &x [reference, *x]\n")
+    done = dry(tree, "--configfile", "config.yaml", "loop.yaml")
+    said = done.stdout + done.stderr
+    assert done.returncode != 0 and "RecursionError" not in said
+    assert "loop.yaml:2: a YAML alias refers to the node that contains it" in said
+    from pkv.config.resolve import read_config_file
+
+    (tree / "repeat.yaml").write_text("a: &x {b: 1}\nc: *x\n")
+    assert read_config_file(tree / "repeat.yaml") == {"a": {"b": 1}, "c": {"b": 1}}

@@ -78,6 +78,39 @@ def test_fresh_clone_paper_dry_run_has_nothing_to_do(clone):
     assert git_status(clone) == ""
 
 
+def test_the_reference_runs_missing_metadata_is_said_once_and_the_report_stays_out_of_git(clone):
+    """A clone has no .snakemake/ metadata of the reference run's files, and needs none (they
+    are up to date by being there): one line says so, instead of Snakemake's "N jobs have
+    missing provenance/metadata" and a "Missing metadata for file" per file of the report.
+    The HTML report, in the checkout root or in the results folder, is not an untracked file."""
+    said = "Snakemake has no metadata of its files here"
+    done = snakemake(clone, "-n", "all", "--config", "profile=paper", *REFERENCE)
+    text = done.stdout + done.stderr
+    assert "missing provenance/metadata" not in text and text.count(said) == 1, text[-3000:]
+    for where in ("report.html", "results/report.html"):
+        done = snakemake(clone, "--report", where, "--config", "profile=paper", *REFERENCE)
+        text = done.stdout + done.stderr
+        assert "Missing metadata for file" not in text and text.count(said) == 1, text[-3000:]
+        assert (clone / where).is_file()
+    assert git_status(clone) == ""
+
+
+def test_a_missing_reference_file_is_planned_and_nothing_else(clone, tmp_path):
+    """The reference run is up to date by its files being there; one that is gone is made
+    again (with the tables that read it), whatever the checkout's mtimes."""
+    gone = clone / "results" / "raw" / "isolated" / "ctx8192.parquet"
+    keep = tmp_path / gone.name
+    shutil.copy2(gone, keep)
+    gone.unlink()
+    try:
+        done = snakemake(clone, "-n", "all", "--config", "profile=paper", *REFERENCE)
+    finally:
+        shutil.copy2(keep, gone)
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", done.stdout, flags=re.M))
+    measuring = {r for r in counts if not r.startswith(("report_", "plot_")) and r not in ("all", "total")}
+    assert measuring == {"measure_isolated"}, done.stdout[-3000:]
+
+
 def _planned_outputs(text: str) -> list[str]:
     outs = []
     for m in re.finditer(r"^\s+output: (.*)$", text, flags=re.M):

@@ -22,7 +22,7 @@ import yaml
 
 from pkv.cli.main import main as pkv
 from pkv.config.resolve import ConfigError, config_hash, effective, load_schema, validate_config
-from pkv.config.typed import MLP_PROXY_ENGINES, Config
+from pkv.config.typed import Config
 from pkv.core.io import read_meta
 from pkv.core.paging import compact
 from pkv.engines import make_engine
@@ -155,22 +155,23 @@ def test_the_correctness_check_reads_another_layer_than_layer_0():
 # ---------------------------------------------------------------- the config key
 
 
-def test_engines_default_to_adaptive_and_the_reference_config_names_its_own():
+def test_engines_are_named_by_the_config_with_no_default_in_code():
     reference = json.loads((REPO / "results" / "config.json").read_text())
     assert reference["mlp_proxy"]["engines"] == RAW["mlp_proxy"]["engines"] == ["pkv-graph", "adaptive"]
     for cfg in (reference, effective(RAW, "paper")):
         t = Config.from_dict(cfg)
-        assert t.mlp_proxy.specs == ("pkv-graph", "adaptive") and t.to_dict() == cfg
+        assert t.mlp_proxy.engines == ("pkv-graph", "adaptive") and t.to_dict() == cfg
     absent = effective(RAW, "paper")
-    del absent["mlp_proxy"]["engines"]                  # where the section names none: adaptive alone
-    t = Config.from_dict(absent)
-    assert t.mlp_proxy.engines is None and t.mlp_proxy.specs == MLP_PROXY_ENGINES == ("adaptive",)
-    assert t.to_dict() == absent
+    del absent["mlp_proxy"]["engines"]                  # a section that names none is refused, by its key
+    with pytest.raises(ConfigError, match=r"^config: mlp_proxy: 'engines' is a required property$"):
+        validate_config(absent, load_schema())
+    with pytest.raises(ConfigError, match=r"^config: mlp_proxy\.engines: missing key$"):
+        Config.from_dict(absent)
     smoke = Config.from_dict(SMOKE)
-    assert smoke.mlp_proxy.specs == ("pkv-graph", "adaptive") and smoke.to_dict() == SMOKE
+    assert smoke.mlp_proxy.engines == ("pkv-graph", "adaptive") and smoke.to_dict() == SMOKE
     over = effective(RAW, "paper", {"mlp_proxy": {"engines": ["pkv-graph"]}})
     validate_config(over, load_schema())
-    assert Config.from_dict(over).mlp_proxy.specs == ("pkv-graph",)
+    assert Config.from_dict(over).mlp_proxy.engines == ("pkv-graph",)
 
 
 @pytest.mark.parametrize("engines, where", [(["pkv-grpah"], "mlp_proxy.engines.0"), ([], "mlp_proxy.engines")])

@@ -10,10 +10,12 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from html import escape
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -138,12 +140,18 @@ def test_nsight_leaves_all_when_disabled(tree):
 # ---------------------------------------------------------------- end to end, CPU smoke
 
 
+HOSTILE_TITLE = "Trace `click <javascript:alert(1)>`_ javascript:alert(2)"
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """A full smoke run in a copy of the tree, with two of the five held-out seeds (the
     dry-run test checks all five) to stay within CI time."""
     work = copy_worktree(tmp_path_factory.mktemp("pipeline"), "results/")
-    (work / "two-seeds.yaml").write_text(yaml.safe_dump({"smoke": {"seeds": {"heldout": HELDOUT[:2]}}}))
+    # The external trace's title is a string of the config the HTML report shows: one that
+    # is reStructuredText markup for a javascript: link must stay text.
+    (work / "two-seeds.yaml").write_text(yaml.safe_dump({"smoke": {"seeds": {"heldout": HELDOUT[:2]},
+                                                                   "external": {"title": HOSTILE_TITLE}}}))
     # Options that take several values go last, after the target.
     args = ("--configfile", "config.yaml", "two-seeds.yaml", "--config", "profile=smoke")
     t0 = time.perf_counter()
@@ -157,6 +165,54 @@ def test_smoke_run_announces_itself_and_writes_only_under_results_smoke(smoke):
     assert "SMOKE PROFILE" in done.stderr and SMOKE_BANNER in done.stderr
     assert sorted(p.name for p in (work / "results").iterdir()) == ["smoke"]
     print(f"smoke run (two held-out seeds): {seconds:.0f} s")
+
+
+@pytest.mark.slow
+def test_the_run_ends_naming_its_results_folder_and_tables(smoke):
+    _, _, done, _ = smoke
+    last = [line for line in done.stderr.splitlines() if line.startswith("*** results in ")]
+    assert last and "results/smoke/tables/" in last[-1] and "serving.md" in last[-1], done.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_missing_measured_file_is_measured_again_and_its_tables_rebuilt(smoke, tmp_path):
+    """Snakemake does not remake a missing input of an up-to-date table by itself (as if it
+    were a temporary file): `all` names every measured file, so a deleted one, or those a
+    killed job's outputs were removed for, is measured again and the tables reading it rebuilt."""
+    work, args, *_ = smoke
+    gone = work / "results" / "smoke" / "raw" / "isolated" / "ctx64.parquet"
+    keep = tmp_path / gone.name
+    shutil.copy2(gone, keep)
+    gone.unlink()
+    try:
+        dry = snakemake("all", "-n", "--cores", "1", *args, cwd=work)
+    finally:
+        shutil.copy2(keep, gone)   # the module's run stays whole for the other tests
+    counts = dict(re.findall(r"^(\w+)\s+(\d+)$", dry.stdout, flags=re.M))
+    assert counts.get("measure_isolated") == "1" and counts.get("report_isolated") == "1", dry.stdout[-3000:]
+    assert "Nothing to be done" not in dry.stdout + dry.stderr
+
+
+@pytest.mark.slow
+def test_a_table_whose_input_is_gone_is_removed_not_left_stale(smoke, tmp_path):
+    """A run that writes (here one whose own target is up to date) first removes each table
+    and figure one of whose inputs is gone, naming it; `all` makes them again."""
+    work, args, *_ = smoke
+    root = work / "results" / "smoke"
+    gone = root / "raw" / "isolated" / "ctx64.parquet"
+    stale = [root / "tables" / "isolated.md", root / "tables" / "isolated.tex",
+             root / "figures" / "latency_vs_context.png"]
+    kept = [gone, *stale]
+    for f in kept:
+        shutil.copy2(f, tmp_path / f.name)
+    gone.unlink()
+    try:
+        done = snakemake("--cores", "1", "results/smoke/tables/serving.md", *args, cwd=work)
+        left = [f for f in stale if f.exists()]
+    finally:
+        for f in kept:   # the module's run stays whole for the other tests
+            shutil.copy2(tmp_path / f.name, f)
+    assert left == [] and "removed results/smoke/tables/isolated.md" in done.stderr, done.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -302,10 +358,12 @@ def test_snakemake_report_embeds_every_table_and_figure_with_its_caption(smoke, 
     text = html.read_text(errors="replace")
     for path in smoke_targets(Path("results/smoke")):
         assert path.name in text, f"{path.name} is not in the report"
-    for spec in TABLE_SPECS.values():
-        assert spec.title in text or not in_all(spec, "smoke", SMOKE), spec.title
+    for name, spec in TABLE_SPECS.items():
+        title = escape(HOSTILE_TITLE, quote=False) if name == "external" else spec.title   # the config's, as text
+        assert title in text or not in_all(spec, "smoke", SMOKE), title
     for spec in FIGURE_SPECS.values():
         assert spec.caption.split(",")[0] in text or not in_all(spec, "smoke", SMOKE), spec.caption
+    assert "javascript:alert(1)" in text and not re.search(r"href=\\*[\"']?\s*javascript:", text, flags=re.I)
 
 
 @pytest.mark.slow

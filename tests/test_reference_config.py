@@ -28,7 +28,7 @@ def test_it_validates_and_names_registered_engines():
     cfg = Config.from_dict(PAPER)
     assert "pkv-graph" in cfg.engine_sets["main"] and "adaptive:objective=overlapped" in cfg.engine_sets["main"]
     specs = [*cfg.engine_sets["main"], *cfg.ablations.gqa_sweep.engines, *cfg.ablations.kv_fp8.engines,
-             *cfg.mlp_proxy.specs, *cfg.external.engines, *cfg.nsight_capture.engines]
+             *cfg.mlp_proxy.engines, *cfg.external.engines, *cfg.nsight_capture.engines]
     assert {table.parse_spec(s)[0] for s in specs} <= set(table.ENGINES)
     step = model_plan.settings(cfg)
     assert step.engines == GPU_ENGINES and step.shapes == ("llama-8b", "llama-70b") and step.buckets == (1, 8)

@@ -151,3 +151,17 @@ def test_trace_rejects_bad_arrays():
         Trace("t", np.array([0]), np.array([0]), np.array([1]))
     with pytest.raises(ValueError):
         Trace("t", np.array([0, 1]), np.array([1]), np.array([1]))
+
+
+def test_each_family_row_carries_its_length_rule_and_an_unknown_one_is_refused(monkeypatch):
+    """A new family row gets exactly the lengths its row names (here: a constant 4096), and
+    a row naming a rule the generator does not have is refused, never given Zipf lengths."""
+    from pkv.core import families
+
+    monkeypatch.setitem(families.FAMILIES, "flat4k", families.Family("every prompt 4K", "constant", {"length": 4096}))
+    assert set(synthetic(SyntheticSpec("flat4k", 1, num_requests=50)).prompt_len) == {4096}
+    monkeypatch.setitem(families.FAMILIES, "lognormal", families.Family("a rule nobody wrote", "lognormal"))
+    with pytest.raises(ValueError, match="'lognormal' names the prompt-length rule 'lognormal', which"):
+        SyntheticSpec("lognormal", 1)
+    with pytest.raises(ValueError, match="unknown trace family 'nosuch'"):
+        SyntheticSpec("nosuch", 1)

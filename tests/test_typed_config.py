@@ -107,7 +107,7 @@ def test_the_stages_read_the_config_through_it():
 
 
 def test_a_partial_kv_fp8_section_is_named_and_a_smoke_patch_of_it_is_fine():
-    """ablations.kv_fp8 is optional and, given, whole; the smoke section may change a few of
+    """ablations.kv_fp8 is required and whole (no default in code); the smoke section may change a few of
     its keys (deep-merged over the paper's)."""
     import copy
 
@@ -136,7 +136,7 @@ def test_the_trace_families_come_from_their_table(monkeypatch):
     assert list(SCHEMA["$defs"]["sections"]["traces"]["properties"]) == list(families.FAMILIES)
     assert SCHEMA["properties"]["traces"]["required"] == list(families.FAMILIES)
     assert [f.name for f in dataclasses.fields(typed.Traces)] == list(families.FAMILIES)
-    monkeypatch.setitem(families.FAMILIES, "newfam", "a test family")
+    monkeypatch.setitem(families.FAMILIES, "newfam", families.Family("a test family", "uniform"))
     schema = resolve.load_schema()
     assert "newfam" in schema["$defs"]["sections"]["traces"]["properties"]
     assert "newfam" in schema["properties"]["traces"]["required"] and "newfam" in schema["$defs"]["family"]["enum"]

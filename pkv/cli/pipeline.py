@@ -45,6 +45,8 @@ def add_commands(sub) -> None:
     meas = sub.add_parser("measure", help="run measurement jobs of a pipeline stage")
     msub = meas.add_subparsers(dest="stage", required=True, metavar="STAGE")
     for stage in STAGES.values():   # the one table of stages
+        if stage.command is None:   # measured by another command
+            continue
         p = msub.add_parser(stage.command, help=stage.help)
         _common(p, many=bool(stage.many))
         for flag, kind in stage.flags:

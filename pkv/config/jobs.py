@@ -11,61 +11,47 @@ Imports nothing heavy (the Snakefile may import it at parse time).
 
 from __future__ import annotations
 
-from pkv.config.resolve import ConfigError
+from pkv.config.errors import ConfigError
 from pkv.config.seeds import check_seed, stage_seeds
-from pkv.config.stages import STAGES, external_identity
+from pkv.config.stages import STAGES
 
-# raw/<stage>/<file> of one job, from its identity (the keys of stage_jobs' dicts).
-STAGE_FILES = {"calibrate": "calibration.parquet", "nsight_kernels": "ncu.parquet",
-               **{name: stage.file for name, stage in STAGES.items() if stage.raw}}
+# raw/<stage>/<file> of one job, from its identity (the keys of stage_jobs' dicts): the
+# stages of the table with a job grid whose files the report reads as they are.
+STAGE_FILES = {name: stage.file for name, stage in STAGES.items() if stage.grid is not None and stage.raw}
 # Identity keys that are also columns of every row of the job's file (the report checks
 # that a file holds the job its name says).
 ROW_KEYS = ("family", "max_active", "seed", "group")
 
 
 def stage_jobs(cfg: dict, stage: str) -> list[dict]:
-    """Every job of `stage` under `cfg`, as identity dicts (in the order of the config)."""
-    a = cfg["ablations"]
-    seeds = stage_seeds(cfg, stage) if stage in _SEEDED else ()
-    if stage == "serve":
-        return [{"family": p["family"], "max_active": p["max_active"], "seed": s, "engine_set": es}
-                for p in cfg["serving"] for s in seeds for es in sorted(cfg["engine_sets"])]
-    if stage == "isolated":
-        return [{"context": c} for c in cfg["isolated"]["contexts"]]
-    if stage == "split_sensitivity":
-        return [{"family": p["family"], "max_active": p["max_active"], "seed": s}
-                for p in a["split_sensitivity"]["points"] for s in seeds]
-    if stage == "b4_sweep":
-        return [{"family": a["b4_sweep"]["family"], "max_active": a["b4_sweep"]["max_active"], "seed": s} for s in seeds]
-    if stage == "gqa_sweep":
-        return [{"group": g, "seed": s} for g in a["gqa_sweep"]["groups"] for s in seeds]
-    if stage in ("raggedness", "implementation"):
-        return [{"family": a[stage]["family"], "max_active": a[stage]["max_active"], "seed": s} for s in seeds]
-    if stage == "mlp_proxy":
-        c = cfg["mlp_proxy"]
-        return [{"family": c["family"], "max_active": c["max_active"], "seed": s} for s in seeds]
-    if stage in ("kv_fp8", "model_step"):
-        return [{"seed": s} for s in seeds]
-    if stage == "external":
-        return [{"name": external_identity(cfg["external"])[0]}]
-    if stage == "nsight_kernels":
-        return [{}] if cfg["nsight"] else []
-    if stage == "calibrate":
-        return [{"seed": cfg["seeds"]["calibration"]}]
-    raise ValueError(f"unknown stage {stage!r}")
-
-
-_SEEDED = ("serve", "split_sensitivity", "b4_sweep", "gqa_sweep", "raggedness", "implementation", "kv_fp8",
-           "mlp_proxy", "model_step")
+    """Every job of `stage` under `cfg`, as identity dicts (in the order of the config):
+    the row's job grid on the seeds its seed role gives."""
+    row = STAGES.get(stage)
+    if row is None or row.grid is None:
+        raise ValueError(f"unknown stage {stage!r}" if row is None else f"stage {stage!r} has no job grid")
+    return row.grid(cfg, stage_seeds(cfg, stage) if row.seeds else ())
 
 
 def file_name(stage: str, job: dict) -> str:
-    return STAGE_FILES[stage].format(**job)
+    return STAGES[stage].file.format(**job)
 
 
 def stage_files(cfg: dict, stage: str) -> dict[str, dict]:
     """File name under raw/<stage>/ -> the job that writes it."""
     return {file_name(stage, job): job for job in stage_jobs(cfg, stage)}
+
+
+def stage_pattern(stage: str, root: str = "") -> str:
+    """<root>/raw/<folder>/<file pattern> of a stage's jobs (its rule's output, with the
+    job identity's keys as wildcards)."""
+    row = STAGES[stage]
+    return f"{root}/raw/{row.folder or stage}/{row.file}" if root else f"raw/{row.folder or stage}/{row.file}"
+
+
+def stage_paths(cfg: dict, stage: str, root: str) -> list[str]:
+    """<root>/raw/<folder>/<file> of every job of `stage` under `cfg`: the files its rule
+    makes and the tables that read it wait for."""
+    return [stage_pattern(stage, root).format(**job) for job in stage_jobs(cfg, stage)]
 
 
 def flag_of(key: str) -> str:

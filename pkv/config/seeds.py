@@ -8,19 +8,15 @@ by every measuring command (pkv.config.jobs.check_job) and by the report
 from __future__ import annotations
 
 from pkv.config.errors import ConfigError
+from pkv.config.stages import STAGES
 
 # Which of the config's seeds each stage may measure on: the one definition of the seed
-# discipline, checked by check_config, by every measuring command (check_seed) and by the
-# report (a file of a stage on any other seed is refused, named). Calibration alone sees
-# the calibration seed; every other stage sees only held-out seeds (the ablation seed
-# must not be the calibration seed either).
-SEED_ROLES = {
-    "calibrate": "calibration",
-    "serve": "heldout", "b4_sweep": "heldout", "mlp_proxy": "heldout", "kv_fp8": "heldout", "model_step": "heldout",
-    "isolated": "ablation", "split_sensitivity": "ablation", "gqa_sweep": "ablation", "raggedness": "ablation",
-    "implementation": "ablation", "external": "ablation", "nsight": "ablation",
-    "host": "heldout",   # pkv bench host: the synthetic lengths of its active sets
-}
+# discipline (each stage's row of pkv.config.stages names its role), checked by
+# check_config, by every measuring command (check_seed) and by the report (a file of a
+# stage on any other seed is refused, named). Calibration alone sees the calibration
+# seed; every other stage sees only held-out seeds (the ablation seed must not be the
+# calibration seed either).
+SEED_ROLES = {name: stage.seeds for name, stage in STAGES.items() if stage.seeds}
 
 
 def role_seeds(cfg: dict, role: str) -> tuple[int, ...]:
@@ -31,7 +27,7 @@ def role_seeds(cfg: dict, role: str) -> tuple[int, ...]:
 
 def stage_seeds(cfg: dict, stage: str) -> tuple[int, ...]:
     """The seeds `stage` may run on under `cfg` (SEED_ROLES)."""
-    return role_seeds(cfg, SEED_ROLES[stage])
+    return role_seeds(cfg, STAGES[stage].seeds)
 
 
 def check_seed_roles(cfg: dict, source: str = "config") -> None:
@@ -49,7 +45,7 @@ def check_seed(cfg: dict, stage: str, seed, source: str = "--seed") -> int:
     `source` (a flag, or a file of the report) and the seeds it may use."""
     allowed = stage_seeds(cfg, stage)
     if isinstance(seed, bool) or not isinstance(seed, int) or seed not in allowed:
-        role = SEED_ROLES[stage]
+        role = STAGES[stage].seeds
         if seed == cfg["seeds"]["calibration"] and role != "calibration":
             why = "is the calibration seed, which no measurement other than calibration may use"
         else:

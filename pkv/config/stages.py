@@ -1,12 +1,16 @@
-"""The one table of measuring stages (`pkv measure STAGE`).
+"""The one table of stages: one row each, from which everything else about a stage derives.
 
-Each row says what the command line, the job grid and the report need of a stage: its
-`pkv measure` subcommand and flags, the function of pkv.measure that runs one job, and
-the file one job writes under raw/<stage>/. `pkv.cli.pipeline` builds the subcommands
-and dispatches from it, `pkv.config.jobs` names each job's file from it (for the
-measuring commands' checks and the report), and workflow/rules/common.smk lists a
-stage's outputs through pkv.config.jobs. A new stage is a row here, its function, its
-job grid in pkv.config.jobs.stage_jobs and its rule.
+A row says what the command line, the job grid, the seed rule, the files and the
+Snakemake targets need of a stage: its `pkv measure` subcommand and flags (none for a
+stage measured by another command), the function of pkv.measure that runs one job, the
+file one job writes under raw/<stage>/, the function that lists its jobs under a config
+(`grid`), the role of the seeds it may use (`seeds`: pkv.config.seeds) and, for a stage
+whose files are its Snakemake rules' outputs rather than one file per job, those rules
+(`rules`). `pkv.cli.pipeline` builds the subcommands and dispatches from it,
+`pkv.config.jobs` lists each job and names its file from it, `pkv.config.seeds` takes each
+stage's seed role from it, and workflow/rules/common.smk lists a stage's files (the
+targets of the tables that read it) from it. A new stage is a row here, its measuring
+function and its rule.
 
 Imports nothing heavy (the Snakefile reads it at parse time).
 """
@@ -16,18 +20,23 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import PurePath
+from typing import Callable
 
 # Flag kinds (pkv.cli.args gives each its checked type): seed, positive (an integer >= 1),
 # text, path.
 _POINT = (("family", "text"), ("max_active", "positive"))
 
+# A job grid: (config, the seeds the stage may use) -> one identity dict per job, in the
+# config's order; its keys name the job's file (Stage.file) and its flags.
+Grid = Callable[[dict, tuple], list]
+
 
 @dataclass(frozen=True)
 class Stage:
-    command: str                          # pkv measure COMMAND
-    help: str
-    run: str                              # the function of `module` that measures one job
-    file: str                             # raw/<stage>/<file> of one job, from its flags
+    command: str | None                   # pkv measure COMMAND (None: measured by another command)
+    help: str = ""
+    run: str = ""                         # the function of `module` that measures one job
+    file: str = ""                        # raw/<stage>/<file> of one job, from its flags
     flags: tuple[tuple[str, str], ...] = ()
     fixed: tuple[tuple[str, object], ...] = ()   # arguments the function always gets from this row
     module: str = "pkv.measure.stages"
@@ -38,42 +47,101 @@ class Stage:
     # job): a stage's rule runs all its points and seeds (contexts, groups) in one process,
     # paying start-up, CUDA init and kernel loads once.
     many: tuple[str, ...] = ()
+    grid: Grid | None = None   # its jobs under a config (None: no job grid, its files are its rules')
+    seeds: str | None = None   # the seed role it may use (pkv.config.seeds.SEED_ROLES); None: no seed
+    rules: tuple[str, ...] = ()   # the Snakemake rules whose outputs are its files, where not one per job
+
+
+# ---------------------------------------------------------------- job grids
+
+
+def _serving(cfg: dict, seeds: tuple) -> list[dict]:
+    return [{"family": p["family"], "max_active": p["max_active"], "seed": s, "engine_set": es}
+            for p in cfg["serving"] for s in seeds for es in sorted(cfg["engine_sets"])]
+
+
+def _contexts(cfg: dict, seeds: tuple) -> list[dict]:
+    return [{"context": c} for c in cfg["isolated"]["contexts"]]
+
+
+def _split_points(cfg: dict, seeds: tuple) -> list[dict]:
+    return [{"family": p["family"], "max_active": p["max_active"], "seed": s}
+            for p in cfg["ablations"]["split_sensitivity"]["points"] for s in seeds]
+
+
+def _groups(cfg: dict, seeds: tuple) -> list[dict]:
+    return [{"group": g, "seed": s} for g in cfg["ablations"]["gqa_sweep"]["groups"] for s in seeds]
+
+
+def _point_of(*section: str) -> Grid:
+    """The one (family, max_active) point of a config section, on each seed."""
+    def grid(cfg: dict, seeds: tuple) -> list[dict]:
+        node = cfg
+        for key in section:
+            node = node[key]
+        return [{"family": node["family"], "max_active": node["max_active"], "seed": s} for s in seeds]
+    return grid
+
+
+def _per_seed(cfg: dict, seeds: tuple) -> list[dict]:
+    return [{"seed": s} for s in seeds]
+
+
+def _external(cfg: dict, seeds: tuple) -> list[dict]:
+    return [{"name": external_identity(cfg["external"])[0]}]
+
+
+def _nsight_capture(cfg: dict, seeds: tuple) -> list[dict]:
+    return [{}] if cfg["nsight"] else []
 
 
 STAGES: dict[str, Stage] = {
     "serve": Stage("serve", "Table 2: held-out traces of serving points x one engine set", "serve",
                    "{family}-b{max_active}-s{seed}-{engine_set}.parquet",
                    (*_POINT, ("seed", "seed"), ("engine_set", "text")),
-                   many=("family", "max_active", "seed")),
-    "isolated": Stage("isolated", "Table 1: one request of CONTEXT tokens, 50%% holes", "isolated", "ctx{context}.parquet",
-                      (("context", "positive"),), many=("context",)),
+                   many=("family", "max_active", "seed"), grid=_serving, seeds="heldout"),
+    "isolated": Stage("isolated", "Table 1: one request of CONTEXT tokens, 50%% holes", "isolated",
+                      "ctx{context}.parquet", (("context", "positive"),), many=("context",), grid=_contexts,
+                      seeds="ablation"),
     "split_sensitivity": Stage("split-sensitivity", "Table 7: the policy at the frozen split and its neighbours",
-                               "split_sensitivity", "{family}-b{max_active}.parquet", _POINT),
+                               "split_sensitivity", "{family}-b{max_active}.parquet", _POINT, grid=_split_points,
+                               seeds="ablation"),
     "b4_sweep": Stage("b4-sweep", "PersistentKV workqueue on B4 over a split grid", "b4_sweep", "s{seed}.parquet",
-                      (("seed", "seed"),), many=("seed",)),
+                      (("seed", "seed"),), many=("seed",), grid=_point_of("ablations", "b4_sweep"), seeds="heldout"),
     "gqa_sweep": Stage("gqa-sweep", "Table 8: one GQA group size G", "gqa_sweep", "g{group}.parquet",
-                       (("group", "positive"),), many=("group",)),
+                       (("group", "positive"),), many=("group",), grid=_groups, seeds="ablation"),
     "raggedness": Stage("raggedness", "the raggedness ablation on one seed", "ablation", "s{seed}.parquet",
-                        (("seed", "seed"),), (("name", "raggedness"),)),
+                        (("seed", "seed"),), (("name", "raggedness"),), grid=_point_of("ablations", "raggedness"),
+                        seeds="ablation"),
     "implementation": Stage("implementation", "the implementation ablation on one seed", "ablation", "s{seed}.parquet",
-                            (("seed", "seed"),), (("name", "implementation"),)),
+                            (("seed", "seed"),), (("name", "implementation"),),
+                            grid=_point_of("ablations", "implementation"), seeds="ablation"),
     "kv_fp8": Stage("kv-fp8", "the FP8 KV ablation (16-bit and e4m3 cache, same trace) on one seed", "kv_fp8",
-                    "s{seed}.parquet", (("seed", "seed"),), many=("seed",)),
+                    "s{seed}.parquet", (("seed", "seed"),), many=("seed",), grid=_per_seed, seeds="heldout"),
     "mlp_proxy": Stage("mlp-proxy", "Table 3: attention + gated MLP tail on one seed", "mlp_proxy", "s{seed}.parquet",
-                       (("seed", "seed"),), many=("seed",)),
+                       (("seed", "seed"),), many=("seed",), grid=_point_of("mlp_proxy"), seeds="heldout"),
     "external": Stage("external", "the external request trace named in the config", "external", "{name}.parquet",
-                      (("trace", "path"),)),
+                      (("trace", "path"),), grid=_external, seeds="ablation"),
     # The model step (pkv.measure.model_step): in `all` when the config has a model_step
     # section (pkv.report.spec), its rules in workflow/rules/model.smk, both commands writing raw/model_step/; the
     # external trace's file is named like the external stage's (external_identity).
     "model_step": Stage("model-step", "model-level decode step: N layers, per-layer KV, one CUDA graph per bucket, "
                         "one held-out seed", "model_step", "s{seed}.parquet", (("seed", "seed"),),
-                        module="pkv.measure.model_step", raw=False, folder="model_step", many=("seed",)),
+                        module="pkv.measure.model_step", raw=False, folder="model_step", many=("seed",),
+                        grid=_per_seed, seeds="heldout", rules=("model_step", "model_step_external")),
     "model_step_external": Stage("model-step-external", "the model-level decode step on the external request trace",
                                  "model_step_external", "{name}.parquet", (("trace", "path"),),
                                  module="pkv.measure.model_step", raw=False, folder="model_step"),
     "nsight": Stage("nsight-trace", "the short trace the nsight stage profiles (under ncu: `pkv nsight`)",
-                    "nsight_trace", "ncu.run.parquet", raw=False),
+                    "nsight_trace", "ncu.run.parquet", raw=False, seeds="ablation"),
+    # Stages measured by other commands (pkv calibrate, pkv nsight, pkv bench ...).
+    "calibrate": Stage(None, file="calibration.parquet", grid=_per_seed, seeds="calibration"),
+    "nsight_kernels": Stage(None, file="ncu.parquet", grid=_nsight_capture),
+    "calibration": Stage(None, raw=False, rules=("freeze_config", "calibrate_device")),
+    "kernels": Stage(None, rules=("bench_kernels",)),
+    "fp8_kernels": Stage(None, rules=("bench_fp8_kernels",)),
+    "fp8_accuracy": Stage(None, rules=("bench_fp8_accuracy",)),
+    "host": Stage(None, rules=("bench_host",), seeds="heldout"),   # pkv bench host: its active sets' lengths
 }
 
 
@@ -101,6 +169,7 @@ def external_identity(section: dict) -> tuple[str, str]:
 def by_command(command: str) -> tuple[str, Stage]:
     """(stage name, row) of a `pkv measure` subcommand."""
     for name, stage in STAGES.items():
-        if stage.command == command:
+        if stage.command is not None and stage.command == command:
             return name, stage
-    raise ValueError(f"unknown stage command {command!r}; choose from {[s.command for s in STAGES.values()]}")
+    commands = [s.command for s in STAGES.values() if s.command]
+    raise ValueError(f"unknown stage command {command!r}; choose from {commands}")

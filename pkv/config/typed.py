@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Mapping, Optional
 
-from pkv.config.resolve import ConfigError
+from pkv.config.errors import ConfigError
 from pkv.config.stages import external_identity
 from pkv.core.families import FAMILIES
 
@@ -179,10 +179,7 @@ class Ablations:
     gqa_sweep: GqaSweep
     raggedness: Ablation
     implementation: Ablation
-    kv_fp8: Optional[KvFp8] = None   # optional: pkv.measure.stages.KV_FP8 when absent
-
-
-MLP_PROXY_ENGINES = ("adaptive",)   # mlp_proxy.engines where the config names none
+    kv_fp8: KvFp8
 
 
 @dataclass(frozen=True)
@@ -191,14 +188,7 @@ class MlpProxy:
     max_active: int
     width: int
     layers: tuple[int, ...]
-    # Optional, absent in the committed reference run's config (its hash and meaning stay):
-    # the engines measured beside the baselines; `specs` is MLP_PROXY_ENGINES where absent.
-    engines: Optional[tuple[str, ...]] = None
-
-    @property
-    def specs(self) -> tuple[str, ...]:
-        """The engines the stage measures (besides the baselines): `engines`, else ("adaptive",)."""
-        return self.engines if self.engines is not None else MLP_PROXY_ENGINES
+    engines: tuple[str, ...]   # the engines measured beside the baselines
 
 
 @dataclass(frozen=True)

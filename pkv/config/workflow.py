@@ -11,8 +11,12 @@ import os
 import re
 from pathlib import Path
 
-from pkv.config.resolve import (SMOKE_ROOT, ConfigError, _read_json, coerce, deep_merge, differences,
-                                read_config_file, slug)
+from pkv.config.errors import ConfigError
+from pkv.config.frozen import read_json
+from pkv.config.merge import deep_merge, differences
+from pkv.config.runs import SMOKE_ROOT, slug
+from pkv.config.schema import coerce
+from pkv.config.yaml_files import read_config_file
 
 
 def command_line_overrides(config_args: dict, configfiles, own_configfile: str | Path, schema: dict) -> dict:
@@ -35,7 +39,7 @@ def check_frozen(root: str | Path, cfg: dict, reference: bool) -> None:
     path = Path(root, "config.json")
     if not path.is_file():
         return
-    frozen = _read_json(path, "frozen config")
+    frozen = read_json(path, "frozen config")
     diff = differences(frozen, cfg)
     if not diff:
         return

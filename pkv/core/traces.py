@@ -1,4 +1,4 @@
-"""Request traces: five synthetic families (paper §3.8), and the transform of a loaded trace.
+"""Request traces: the synthetic families of pkv.core.families (paper §3.8), and the transform of a loaded trace.
 
 A trace is three integer arrays (arrival_step, prompt_len, decode_len) plus a `meta`
 dict saying where it came from and how it was transformed. Synthetic traces are pure
@@ -21,8 +21,9 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from pkv.core.families import FAMILIES  # noqa: E402 - the one table of families
-BUCKETS = (8192, 16384, 32768, 65536)
+from pkv.core.families import FAMILIES  # the one table of families
+
+BUCKETS = FAMILIES["bucketed"].params["lengths"]
 MAX_LEN = 1 << 24            # tokens per request, prompt + decode
 MAX_REQUESTS = 1 << 20       # requests per trace
 MAX_ARRIVAL_STEP = 1 << 30   # latest arrival step
@@ -96,6 +97,10 @@ class SyntheticSpec:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"unknown trace family {self.family!r}; choose one of {', '.join(FAMILIES)}")
+        if FAMILIES[self.family].lengths not in LENGTH_RULES:
+            raise ValueError(f"trace family {self.family!r} names the prompt-length rule "
+                             f"{FAMILIES[self.family].lengths!r}, which pkv.core.traces does not have "
+                             f"(rules: {', '.join(LENGTH_RULES)})")
         # Limits first: a trace of 10^12 requests is refused before anything is generated.
         if not 1 <= self.num_requests <= MAX_REQUESTS:
             raise ValueError(f"num_requests must be in 1..{MAX_REQUESTS} (MAX_REQUESTS), got {self.num_requests}")
@@ -109,25 +114,44 @@ class SyntheticSpec:
                              f"{self.mean_arrival_gap}, {self.scale}")
 
 
-def _prompt_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
-    n, lo, hi = spec.num_requests, spec.min_len, spec.max_len
-    i = np.arange(n)
-    if spec.family == "bucketed":
-        return np.asarray(BUCKETS, dtype=np.int64)[i % len(BUCKETS)]
-    if spec.family == "homogeneous":
-        return np.full(n, 32768, dtype=np.int64)
-    if spec.family == "bimodal":
-        # One long request (32K-64K) for every three short ones (1K-8K).
-        long_ = rng.integers(32768, 65536, n, endpoint=True)
-        short = rng.integers(1024, 8192, n, endpoint=True)
-        return np.where(i % 4 == 0, long_, short)
-    if spec.family == "uniform":
-        return rng.integers(lo, hi, n, endpoint=True)
-    # zipf: bounded Pareto (alpha 1.1) on [min_len, max_len], by inverse CDF.
-    alpha = 1.1
-    u = rng.random(n)
+def _cycle(spec: SyntheticSpec, rng: np.random.Generator, lengths) -> np.ndarray:
+    """The given lengths in turn."""
+    return np.asarray(lengths, dtype=np.int64)[np.arange(spec.num_requests) % len(lengths)]
+
+
+def _constant(spec: SyntheticSpec, rng: np.random.Generator, length: int) -> np.ndarray:
+    return np.full(spec.num_requests, length, dtype=np.int64)
+
+
+def _bimodal(spec: SyntheticSpec, rng: np.random.Generator, long, short, every: int) -> np.ndarray:
+    """Request i is long (uniform over `long`) when i % every == 0, else short (uniform over `short`)."""
+    n = spec.num_requests
+    long_ = rng.integers(long[0], long[1], n, endpoint=True)
+    short_ = rng.integers(short[0], short[1], n, endpoint=True)
+    return np.where(np.arange(n) % every == 0, long_, short_)
+
+
+def _uniform(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
+    return rng.integers(spec.min_len, spec.max_len, spec.num_requests, endpoint=True)
+
+
+def _pareto(spec: SyntheticSpec, rng: np.random.Generator, alpha: float) -> np.ndarray:
+    """Bounded Pareto on [min_len, max_len], by inverse CDF."""
+    lo, hi = spec.min_len, spec.max_len
+    u = rng.random(spec.num_requests)
     ratio = (lo / hi) ** alpha
     return np.floor(lo / (1.0 - u * (1.0 - ratio)) ** (1.0 / alpha)).astype(np.int64)
+
+
+# The prompt-length rules a family row may name (pkv.core.families.Family.lengths).
+LENGTH_RULES = {"cycle": _cycle, "constant": _constant, "bimodal": _bimodal, "uniform": _uniform,
+                "pareto": _pareto}
+
+
+def _prompt_lengths(spec: SyntheticSpec, rng: np.random.Generator) -> np.ndarray:
+    """The family row's length rule with the row's parameters."""
+    family = FAMILIES[spec.family]   # SyntheticSpec has checked the family and its rule
+    return LENGTH_RULES[family.lengths](spec, rng, **family.params)
 
 
 def synthetic(spec: SyntheticSpec) -> Trace:

@@ -23,7 +23,7 @@ from pkv.engines.base import Engine
 from pkv.core.harness import StepState, decode_steps
 from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
-from pkv.config.typed import Config, KvFp8
+from pkv.config.typed import Config
 from pkv.core.paging import PageAssignment, assign_pages, compact
 from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
@@ -224,20 +224,12 @@ def gqa_sweep(cfg: Config | dict, k: Constants, group: int) -> Result:
     return frame, _meta(trace, group=group, num_kv_heads=shape.num_kv_heads)
 
 
-# The FP8 KV ablation when config.yaml names none (ablations.kv_fp8 there overrides it; a
-# config that does is a new run, so the committed reference run's config is unchanged).
-_KV_FP8_PAPER = {"family": "bimodal", "max_active": 8, "max_steps": 32, "policy": "tensor",
-                 "engines": ["flashinfer", "flashinfer-tc", "pkv-graph"]}
-KV_FP8 = {"paper": _KV_FP8_PAPER,
-          "smoke": {**_KV_FP8_PAPER, "max_steps": 4, "engines": ["reference", "pkv-graph"]}}
-
-
 def kv_fp8(cfg: Config | dict, k: Constants, seed: int) -> Result:
     """FP8 KV ablation: one held-out trace served from a 16-bit cache, then from the same
     values quantized to e4m3 (`policy` scales), by every engine of the ablation; rows say
     which in `kv_dtype`."""
     cfg = Config.of(cfg)
-    c = cfg.ablations.kv_fp8 or KvFp8(**{**KV_FP8[cfg.profile], "engines": tuple(KV_FP8[cfg.profile]["engines"])})
+    c = cfg.ablations.kv_fp8
     specs = _with_baselines(cfg, c.engines)
     refused = [s for s in specs if table.parse_spec(s)[0] not in table.fp8_readers()]
     if refused:
@@ -290,7 +282,7 @@ def mlp_proxy(cfg: Config | dict, k: Constants, seed: int) -> Result:
     c = cfg.mlp_proxy
     trace = synthetic_trace(cfg, c.family, seed)
     shape = _shape(cfg)
-    specs = _with_baselines(cfg, c.specs)
+    specs = _with_baselines(cfg, c.engines)
     frames, memory = [], {}
     for layers in c.layers:
         job = Job("mlp_proxy", trace.name, c.family, c.max_active, seed, shape.group, layers=layers)

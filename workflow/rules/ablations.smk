@@ -9,7 +9,7 @@ rule sweep_split_sensitivity:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/split_sensitivity/{family}-b{max_active}.parquet"),
+        parquet=job_pattern("split_sensitivity"),
     log:
         out("logs/split_sensitivity/{family}-b{max_active}.log"),
     benchmark:
@@ -29,9 +29,9 @@ rule sweep_b4:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=expand(out("raw/b4_sweep/s{seed}.parquet"), seed=HELDOUT),
+        parquet=stage_outputs("b4_sweep"),
     params:
-        seeds=HELDOUT,
+        seeds=job_values("b4_sweep", "seed"),
     log:
         out("logs/b4_sweep/b4_sweep.log"),
     benchmark:
@@ -51,9 +51,9 @@ rule sweep_gqa:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=expand(out("raw/gqa_sweep/g{group}.parquet"), group=GQA_GROUPS),
+        parquet=stage_outputs("gqa_sweep"),
     params:
-        groups=GQA_GROUPS,
+        groups=job_values("gqa_sweep", "group"),
     log:
         out("logs/gqa_sweep/gqa_sweep.log"),
     benchmark:
@@ -73,7 +73,7 @@ rule ablate_raggedness:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/raggedness/s{seed}.parquet"),
+        parquet=job_pattern("raggedness"),
     log:
         out("logs/raggedness/s{seed}.log"),
     benchmark:
@@ -93,7 +93,7 @@ rule ablate_implementation:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/implementation/s{seed}.parquet"),
+        parquet=job_pattern("implementation"),
     log:
         out("logs/implementation/s{seed}.log"),
     benchmark:

@@ -23,7 +23,7 @@ rule calibrate_device:
         config=inp(rules.freeze_config.output.config),
     output:
         constants=out("calibration/constants.json"),
-        raw=out("raw/calibrate/calibration.parquet"),
+        raw=job_pattern("calibrate"),
     log:
         out("logs/calibrate.log"),
     benchmark:

@@ -2,7 +2,9 @@
 # the job-graph helpers the rules use as inputs. Imports nothing heavy: no torch, pandas,
 # pyarrow or matplotlib at parse time (tests/test_startup.py checks).
 import json
+import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -14,11 +16,37 @@ os.environ.setdefault("PKV_WORKER", "on")
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coerce, effective, gpu_name, load_schema,
                                 read_config_file, resolve_profile, run_root, validate_config)
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
-from pkv.config.jobs import STAGE_FILES, stage_files, stage_jobs
-from pkv.config.stages import external_identity
+from pkv.config.jobs import stage_files, stage_jobs, stage_paths, stage_pattern
+from pkv.config.stages import EXTERNAL_TITLE, STAGES, external_identity
 from pkv.config.typed import Config
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
+
+class _ReferenceMetadata(logging.Filter):
+    """Snakemake's notes that the committed reference run's files have no metadata ("N jobs
+    have missing provenance/metadata", one "Missing metadata for file" per file of
+    `snakemake --report`): a clone never has the .snakemake/ folder of the machine that
+    measured them, and nothing depends on it (a reference file is up to date by being
+    there, inp). One line says so instead."""
+
+    said = False
+
+    def filter(self, record):
+        text = str(record.msg)
+        if not (text.startswith("Missing metadata for file ") or " have missing provenance/metadata" in text):
+            return True
+        if type(self).said:
+            return False
+        type(self).said = True
+        record.msg, record.args = (f"*** the committed reference run {REFERENCE_ROOT}/ was measured on another "
+                                   "machine: Snakemake has no metadata of its files here, which is expected (a file "
+                                   "that is there is up to date)"), ()
+        return True
+
+
+def quiet_reference_metadata():
+    logging.getLogger("snakemake.logging").addFilter(_ReferenceMetadata())
+
 
 SCHEMA = load_schema(Path(workflow.basedir) / "workflow/schemas/config.schema.yaml")
 # Snakemake's YAML loader keeps the last of a key given twice: read config.yaml and every
@@ -43,13 +71,9 @@ ROOT = run_root(PROFILE, config["run"], GPU)
 # The committed reference run: up to date when its files are there, whatever their mtimes
 # (a fresh clone's are checkout times), and never re-made from a different config.
 REFERENCE = ROOT == REFERENCE_ROOT
-HELDOUT = [str(s) for s in C["seeds"]["heldout"]]
-# The values a stage's one process runs through (pkv.config.stages: `many`); the serving
-# stage's jobs are pkv.config.jobs' (family, max_active, seed), one engine set's worth.
+# The serving stage's jobs of one engine set (family, max_active, seed): its rule's files
+# and flags, one engine set per job (the other stages': job_values, stage_outputs).
 SERVE_JOBS = list(dict.fromkeys((j["family"], str(j["max_active"]), str(j["seed"])) for j in stage_jobs(C, "serve")))
-GQA_GROUPS = [str(g) for g in C["ablations"]["gqa_sweep"]["groups"]]
-ISOLATED_CONTEXTS = [str(c) for c in C["isolated"]["contexts"]]
-ABLATION_SEED = str(C["seeds"]["ablation"])
 
 # A folder's frozen config.json must be what this config resolves to (never a hand-edited
 # one, never an older config's); a plan that cannot run fails here, before any job; and
@@ -58,6 +82,9 @@ check_frozen(ROOT, C, REFERENCE)
 check_runnable(C, REFERENCE)
 if workflow.is_main_process:
     lock_folder(ROOT, hold=writes_results(sys.argv[1:]))
+
+if REFERENCE:
+    quiet_reference_metadata()
 
 if PROFILE == "smoke":
     banner = "*" * 78
@@ -84,6 +111,21 @@ CAPTION = "../report/caption.rst"   # renders a report rule's `caption` param (w
 def table_title(name, table):
     """A table's title; the external trace's is the config's trace's (pkv.config.stages.external_identity)."""
     return external_identity(C["external"])[1] if name == "external" else table.title
+
+
+def caption_title(name, table):
+    """A table's title in its report caption (reStructuredText): a title made from the
+    config's strings as plain text (rst_text), the code's own titles as written."""
+    title = table_title(name, table)
+    return title if title in (table.title, EXTERNAL_TITLE) else rst_text(title)
+
+
+def rst_text(text):
+    """`text` as plain text in reStructuredText, which the HTML report renders captions
+    from: every punctuation character backslash-escaped and lines joined, so a string of
+    the config (the external trace's title) makes no link (`javascript:` or other), role
+    or directive, only the text it says."""
+    return re.sub(r"([^\w\s])", r"\\\1", " ".join(str(text).split()))
 
 
 def table_outputs(name, table):
@@ -116,31 +158,28 @@ def inputs(paths):
     return [inp(p) for p in paths]
 
 
-def model_step_outputs():
-    """The model step's Parquet files (workflow/rules/model.smk): one per held-out seed, one for the external trace."""
-    return [*rules.model_step.output.parquet, rules.model_step_external.output.parquet]
-
-
-# The stages measured outside the job grid of pkv.config.jobs: their rules' outputs.
-OTHER_STAGES = {
-    "model_step": model_step_outputs,
-    "calibration": lambda: [rules.freeze_config.output.config, *rules.calibrate_device.output],
-    "kernels": lambda: [rules.bench_kernels.output.parquet],
-    "fp8_kernels": lambda: [rules.bench_fp8_kernels.output.parquet],
-    "fp8_accuracy": lambda: [rules.bench_fp8_accuracy.output.parquet],
-    "host": lambda: [rules.bench_host.output.parquet],
-}
-
-
 def stage_outputs(stage):
-    """The Parquet (or capture) files of one raw stage, as the report reads them: for a
-    stage of the job grid, one file per job (pkv.config.jobs, the files the report
-    expects; tests check the rules write the same ones)."""
-    if stage in OTHER_STAGES:
-        return OTHER_STAGES[stage]()
-    if stage not in STAGE_FILES:
+    """The Parquet (or capture) files of one stage, as the report reads them, from its row
+    of pkv.config.stages: its rules' outputs where the row names rules, else one file per
+    job of its grid (pkv.config.jobs, the files the report expects; tests check the rules
+    write the same ones)."""
+    row = STAGES.get(stage)
+    if row is None:
         raise ValueError(f"unknown stage {stage!r}")
-    return [out(f"raw/{stage}/{name}") for name in stage_files(C, stage)]
+    if row.rules:
+        return [f for name in row.rules for f in getattr(rules, name).output]
+    return stage_paths(C, stage, ROOT)
+
+
+def job_values(stage, key):
+    """One value of `key` per job of `stage`, in the order of its files (stage_outputs): the
+    flag values of a rule that runs every job of the stage in one process."""
+    return [str(job[key]) for job in stage_jobs(C, stage)]
+
+
+def job_pattern(stage):
+    """The file of one job of `stage` with its identity's keys as wildcards (its rule's output)."""
+    return stage_pattern(stage, ROOT)
 
 
 def stage_inputs(stages):
@@ -169,8 +208,46 @@ def final_outputs():
     Nsight capture when enabled, and for a paper run of your own, its comparison with the
     reference run."""
     tables = [getattr(rules, f"report_{n}").output.md for n, t in TABLE_SPECS.items() if in_all(t, PROFILE, C)]
-    tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items() if t.latex and in_all(t, PROFILE, C)]
+    tables += [getattr(rules, f"report_{n}").output.tex for n, t in TABLE_SPECS.items()
+               if t.latex and in_all(t, PROFILE, C)]
     figures = [getattr(rules, f"plot_{n}").output.png for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
     comparison = [rules.compare_reference.output.md] if PROFILE == "paper" and not REFERENCE else []
     build = [rules.build_kernels.output.manifest] if PROFILE == "paper" else []   # the GPU's kernels, first
-    return build + tables + figures + stage_outputs("nsight_kernels") + comparison
+    return build + tables + figures + stage_outputs("nsight_kernels") + comparison + measured_outputs()
+
+
+def measured_outputs():
+    """Every stage file the tables and figures of `all` read, as targets of their own:
+    Snakemake does not remake a missing input of an up-to-date table (it treats it like a
+    temporary file), so without this a deleted raw file, or the files a killed job's
+    outputs were removed for, would never be measured again and the table built from them
+    would stay. In the reference run a file that is there is up to date (inp: ancient)."""
+    specs = [*[t for t in TABLE_SPECS.values() if in_all(t, PROFILE, C)],
+             *[f for f in FIGURE_SPECS.values() if in_all(f, PROFILE, C)]]
+    return list(dict.fromkeys(f for spec in specs for stage in spec.stages for f in stage_outputs(stage)))
+
+
+def results_summary():
+    """One line for the end of a run: the results folder and the tables and figures in it."""
+    tables = sorted(p.name for p in Path(ROOT, "tables").glob("*.md"))
+    figures = sorted(Path(ROOT, "figures").glob("*.png"))
+    return (f"*** results in {ROOT}/: {len(tables)} tables in {ROOT}/tables/ ({', '.join(tables)}), "
+            f"{len(figures)} figures in {ROOT}/figures/; the HTML report: snakemake --report {ROOT}/report.html")
+
+
+def remove_stale_reports():
+    """Before a run that writes: remove every table and figure of `all` one of whose inputs
+    is gone (deleted, or removed by Snakemake with a killed job's outputs). This run makes
+    it again from the remade files; should that fail, no table is left standing on files
+    that are no longer there."""
+    made = [getattr(rules, f"report_{n}") for n, t in TABLE_SPECS.items() if in_all(t, PROFILE, C)]
+    made += [getattr(rules, f"plot_{n}") for n, f in FIGURE_SPECS.items() if in_all(f, PROFILE, C)]
+    for maker in made:
+        missing = [str(f) for f in maker.input if not Path(str(f)).exists()]
+        stale = [Path(str(f)) for f in maker.output if Path(str(f)).exists()]
+        if missing and stale:
+            for f in stale:
+                f.unlink()
+            print(f"*** removed {', '.join(map(str, stale))}: its input {missing[0]} is gone"
+                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}; `all` makes it again",
+                  file=sys.stderr)

@@ -13,7 +13,7 @@ rule replay_external:
         constants=inp(rules.calibrate_device.output.constants),
         trace=inp(C["external"]["path"]),
     output:
-        parquet=out(f"raw/external/{EXTERNAL_FILE}"),
+        parquet=stage_outputs("external"),
     log:
         out(f"logs/external/{EXTERNAL_NAME}.log"),
     benchmark:

@@ -49,9 +49,9 @@ rule measure_kv_fp8:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=expand(out("raw/kv_fp8/s{seed}.parquet"), seed=HELDOUT),
+        parquet=stage_outputs("kv_fp8"),
     params:
-        seeds=HELDOUT,
+        seeds=job_values("kv_fp8", "seed"),
     log:
         out("logs/kv_fp8/kv_fp8.log"),
     benchmark:

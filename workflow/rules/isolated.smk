@@ -8,9 +8,9 @@ rule measure_isolated:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=expand(out("raw/isolated/ctx{context}.parquet"), context=ISOLATED_CONTEXTS),
+        parquet=stage_outputs("isolated"),
     params:
-        contexts=ISOLATED_CONTEXTS,
+        contexts=job_values("isolated", "context"),
     log:
         out("logs/isolated/isolated.log"),
     benchmark:

@@ -8,9 +8,9 @@ rule measure_mlp_proxy:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=expand(out("raw/mlp_proxy/s{seed}.parquet"), seed=HELDOUT),
+        parquet=stage_outputs("mlp_proxy"),
     params:
-        seeds=HELDOUT,
+        seeds=job_values("mlp_proxy", "seed"),
     log:
         out("logs/mlp_proxy/mlp_proxy.log"),
     benchmark:

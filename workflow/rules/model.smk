@@ -20,9 +20,9 @@ rule model_step:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=expand(out(f"{MODEL_STEP_RAW}/{STAGES['model_step'].file}"), seed=HELDOUT),
+        parquet=stage_paths(C, "model_step", ROOT),
     params:
-        seeds=HELDOUT,
+        seeds=job_values("model_step", "seed"),
     log:
         out("logs/model_step/model_step.log"),
     benchmark:

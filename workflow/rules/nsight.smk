@@ -30,7 +30,7 @@ rule parse_nsight:
         run=inp(rules.capture_nsight.output.run),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=out("raw/nsight_kernels/ncu.parquet"),
+        parquet=job_pattern("nsight_kernels"),
     log:
         out("logs/nsight/parse.log"),
     localrule: True

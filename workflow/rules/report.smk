@@ -16,7 +16,7 @@ for _name, _table in TABLE_SPECS.items():
         output:
             **table_outputs(_name, _table),
         params:
-            caption=f"{table_title(_name, _table)}. {_table.caption}",
+            caption=f"{caption_title(_name, _table)}. {_table.caption}",
         localrule: True
         conda:
             "../../envs/pkv.yaml"

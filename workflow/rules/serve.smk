@@ -9,7 +9,7 @@ rule serve_trace:
         config=inp(rules.freeze_config.output.config),
         constants=inp(rules.calibrate_device.output.constants),
     output:
-        parquet=[out(f"raw/serve/{f}-b{b}-s{s}-{{engine_set}}.parquet") for f, b, s in SERVE_JOBS],
+        parquet=[job_pattern("serve").format(family=f, max_active=b, seed=s, engine_set="{engine_set}") for f, b, s in SERVE_JOBS],
     params:
         families=[f for f, _, _ in SERVE_JOBS],
         batches=[b for _, b, _ in SERVE_JOBS],
