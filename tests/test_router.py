@@ -13,8 +13,12 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.measure.calibrate import FIT_C_MIN, fit_constants, fit_device_terms
-from pkv.plan.costmodel import (Constants, Router, baseline_cost, bucket_cost, choose, eligible, estimate, RouteCost,
-                           workqueue_cost)
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pkv.plan.costmodel import (Constants, Router, baseline_cost, bucket_cost, bucket_counts, choose, eligible, estimate,
+                                RouteCost, workqueue_cost, workqueue_counts)
+from pkv.plan.schedule import bucket_schedule, workqueue_schedule
 from pkv.engines import make_engine
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -38,6 +42,23 @@ def _uncached(shape, k, lens, policies):
     cands = [fn(shape, lens, policies[kind]) for kind, fn in (("bucket", bucket_cost), ("workqueue", workqueue_cost))
              if kind in policies] if eligible(shape, lens, k) else []
     return choose(base, cands, len(lens), k)
+
+
+@settings(max_examples=80, deadline=None)
+@given(lens=st.lists(st.integers(1, 9000), min_size=1, max_size=80), splits=st.integers(1, 40),
+       min_tiles=st.integers(1, 6))
+def test_route_counts_are_one_definition_on_lists_and_arrays(lens, splits, min_tiles):
+    """bucket_counts and workqueue_counts: the plain-int path (a list, the router's few rows)
+    and the numpy path (an array, many rows) give the same counts, and those are the
+    schedules' own (one KV head: tasks, launches, merged tasks, the longest task's tokens)."""
+    policy = SplitPolicy(splits, min_tiles)
+    arr = np.asarray(lens, dtype=np.int64)
+    for counts, schedule in ((bucket_counts, bucket_schedule), (workqueue_counts, workqueue_schedule)):
+        got = counts(lens, policy)
+        assert counts(arr, policy) == got, counts.__name__
+        c = schedule(arr, 1, policy).counters(Shape(1, 1, 16, 4, "float16"), arr, 1)
+        assert (got[0], got[1]) == (c.decode_ctas, c.launches), counts.__name__
+    assert bucket_counts(lens, policy, {}) == bucket_counts(lens, policy)   # a caller's memo changes nothing
 
 
 def _router(k, point, cache=True, shape=SHAPE):
