@@ -55,7 +55,7 @@ def smoke_cfg(**section) -> Config:
     return Config.from_dict(cfg)
 
 
-def smoke_plan(families=("bimodal",), **section) -> mp.Plan:
+def smoke_plan(families=("bimodal",), **section) -> mp.ModelStepPlan:
     cfg = smoke_cfg(**section)
     jobs = [mp.TraceJob(t.name, f, SEED, t) for f in families for t in (ms.synthetic_trace(cfg, f, SEED),)]
     return mp.build_plan(cfg, jobs)

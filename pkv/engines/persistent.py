@@ -26,7 +26,7 @@ from pkv.core.validate import check_kv
 MODE_DIRECT, MODE_PARTIAL, MODE_FUSED, MODE_CLUSTER = 0, 1, 2, 3
 MAX_SPLITS = 256  # kMaxSegSlots in csrc/pkv_decode.cu
 MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits in csrc/pkv_decode.h
-GROUPS = (1, 2, 4, 8)  # GQA groups the v3 kernels take (launch_decode's group check)
+GROUPS = (1, 2, 4, 8)  # GQA groups the host-scheduled kernels take (launch_decode's group check)
 # The decode op's named arguments past its tensors, in csrc/binding.cpp's schema order.
 KERNEL_ARGS = ("seq_lens_off", "req_ids_off", "rows_off", "tasks_off", "seg_off", "num_rows", "splits", "num_slots",
                "bound_len", "group", "page_shift", "qo_indexed", "early_exit", "mode")
@@ -253,7 +253,7 @@ def _kernel_ops():
 
 
 def build(name, info, cache, policy=None, **options):
-    """A host-scheduled v3 engine: the kernels on a CUDA cache, the task-list engine on a CPU one."""
+    """A host-scheduled engine: the kernels on a CUDA cache, the task-list engine on a CPU one."""
     from pkv.engines.registry import check_options
 
     if "splits" in options:   # a spec's fixed split count (pkv-workqueue:splits=16)
