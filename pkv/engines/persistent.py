@@ -160,7 +160,7 @@ class PkvEngine(Engine):
             raise ValueError(f"{name} supports at most {MAX_SPLITS} splits, got {self.policy.splits}")
         self.indexed_qo, self.row_local, self.early_exit = indexed_qo, row_local, early_exit
         # Ablation: grid launches of <= 16 splits merge inside one thread-block cluster (no
-        # merge launch). Off by default: slower on the H200 except B1 8K (docs/perf-notes.md).
+        # merge launch). Off by default: slower in most cases (docs/perf-notes.md).
         self.cluster_merge = cluster_merge
         self.num_sms = num_sms(cache.device)
         self.page_shift = s.page_size.bit_length() - 1

@@ -181,10 +181,9 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
 
     Why fitted, not set: the earlier heuristic (C_min = CTA work per SM of the best bucket
     split at the lowest batch, lambda = back-to-back launch overhead on the host) made
-    the occupancy stall too steep (C_min 1.94) and launches too cheap (9.9 us): at
-    bimodal B4 it costed the workqueue's 96 CTAs at 2.7x the bytes time and the bucket
-    route's 8 launches at 79 us, so the router took the bucket route that ran slower on
-    every measure (results/raw/serve/bimodal-b4-*)."""
+    the occupancy stall too steep and launches too cheap: at bimodal B4 it costed the
+    workqueue's CTAs at a multiple of the bytes time and the bucket route's launches at
+    little, so the router took the bucket route that ran slower on every measure."""
     frame = grid_rows(frame)
     rows = frame[frame["engine"].isin(list(scheduled_routes())) & frame["decode_ctas"].notna()]
     if rows.empty:

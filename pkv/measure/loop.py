@@ -141,7 +141,7 @@ def measure(
             errs[label] = worst
         # Timed pass, engine order rotated per step: wall and events of every engine first,
         # then graph replays. Capturing and freeing a graph leaves allocator and driver work
-        # behind; measured on the H200, it landed in the next engine's wall time (+1 ms).
+        # behind, which would land in the next engine's wall time.
         order = labels[i % len(labels):] + labels[:i % len(labels)]
         samples = {label: [timer.timed(engines[label], state, q) for _ in range(repeats)] for label in order}
         for label in order:

@@ -584,8 +584,8 @@ class Router:
 
     def decide(self, request_ids: np.ndarray, seq_lens: np.ndarray) -> Decision:
         active = len(seq_lens)
-        # A cache hit is a few dict operations; numpy's max() of a few rows was two thirds of
-        # it (1.5 of 2.2 us on this CPU), Python's max over the list a third of that.
+        # A cache hit is a few dict operations; numpy's max() of a few rows costs more than
+        # they do, Python's max over the list a fraction of it.
         longest = max(seq_lens.tolist()) if active <= self.FEW else int(seq_lens.max())
         gate = self.group_ok and longest >= self.k.min_context
         if self.cache is None:
