@@ -28,9 +28,8 @@ COMMITTED = ROOT / "results" / "calibration" / "constants.json"
 CALIBRATION = ROOT / "results" / "raw" / "calibrate" / "calibration.parquet"
 SHAPE = Shape()
 SMS = 132
-# H200-like: streaming at ~4.3 TB/s past 0.8-0.9 CTAs per SM, a few us per launch (the size of
-# what fit_route gives on a held-out seed's replayed serving rows of the reference run: a
-# stand-in for the calibration seed's, which that run did not replay).
+# Synthetic H200-like fits: streaming at a few TB/s past about one CTA per SM, a few us per
+# launch (the fits below recover them from rows made with them).
 WORKQUEUE = RouteFit(1.7e-5, 2.34e-13, 0.8, 2e-12, 0.0)
 BUCKET = RouteFit(4.7e-6, 2.46e-13, 0.9, 0.0, 4.4e-6)
 
