@@ -179,11 +179,11 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     estimate (pkv.plan.costmodel.estimate without H_r) against their measured step time (CUDA
     events; wall time where none were timed), over every PersistentKV row of the sweep.
 
-    Why fitted, not set: the earlier heuristic (C_min = CTA work per SM of the best bucket
-    split at the lowest batch, lambda = back-to-back launch overhead on the host) made
-    the occupancy stall too steep and launches too cheap: at bimodal B4 it costed the
+    Why fitted, not set: a heuristic (C_min = CTA work per SM of the best bucket split at
+    the lowest batch, lambda = back-to-back launch overhead on the host) makes the
+    occupancy stall too steep and launches too cheap: at bimodal B4 it costs the
     workqueue's CTAs at a multiple of the bytes time and the bucket route's launches at
-    little, so the router took the bucket route that ran slower on every measure."""
+    little, so the router takes the bucket route, which runs slower on every measure."""
     frame = grid_rows(frame)
     rows = frame[frame["engine"].isin(list(scheduled_routes())) & frame["decode_ctas"].notna()]
     if rows.empty:
