@@ -79,7 +79,7 @@ SMALL_ROWS = 48                          # up to this many rows, plain Python in
 
 @dataclass(frozen=True)
 class GraphFit:
-    """pkv-graph's fitted device time (T_graph above) and the grid it was fitted on."""
+    """pkv-graph's fitted device time (its closed form in the module docstring) and the grid it was fitted on."""
 
     fixed_s: float            # launch, length scan and merge-kernel latency of a step
     s_per_kv_byte: float      # 1 / streaming bandwidth of the single launch
