@@ -1,5 +1,5 @@
-"""Issue 21: bad input never becomes a wrong table. One test (or a few) per numbered item
-of the issue, each reproducing what a hostile tester found, on the CPU:
+"""Bad input never becomes a wrong table. One test (or a few) per numbered item below,
+each reproducing what a hostile tester found, on the CPU:
 
 1. the held-out seed discipline in every measuring command and in the report;
 2. a duplicate Parquet file is refused, not counted twice;

@@ -92,7 +92,7 @@ def _pkv(*args):
 def frozen(tmp_path):
     cfg = effective(CONFIG, "smoke")
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    (tmp_path / "constants.json").write_text(json.dumps({"config_hash": "0123456789abcdef", "beta_bytes_per_s": 1e9}))
+    (tmp_path / "constants.json").write_text(json.dumps({"config_hash": "0000000000000000", "beta_bytes_per_s": 1e9}))
     return tmp_path, cfg
 
 
@@ -105,7 +105,7 @@ def test_measure_refuses_constants_frozen_for_another_config(frozen):
     assert done.returncode == 2 and not out.exists()
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and str(d / "constants.json") in lines[0]
-    assert f"frozen for config hash 0123456789abcdef, but this config's hash is {config_hash(cfg)}" in lines[0]
+    assert f"frozen for config hash 0000000000000000, but this config's hash is {config_hash(cfg)}" in lines[0]
 
 
 def test_measure_refuses_a_frozen_config_with_a_held_out_calibration_seed(frozen):
@@ -122,7 +122,7 @@ def test_nsight_parse_refuses_constants_of_another_config(frozen, tmp_path):
     import pandas as pd
 
     d, _ = frozen
-    write_parquet(pd.DataFrame({"x": [1]}), d / "run.parquet", {"config_hash": "fedcba9876543210"})
+    write_parquet(pd.DataFrame({"x": [1]}), d / "run.parquet", {"config_hash": "ffffffffffffffff"})
     (d / "ncu.csv").write_text("")
     done = _pkv("nsight-parse", "--csv", str(d / "ncu.csv"), "--run", str(d / "run.parquet"),
                 "--constants", str(d / "constants.json"), "--out", str(d / "k.parquet"))

@@ -196,7 +196,7 @@ TINY = Shape(8, 2, 16, 4, "float16")
 
 
 def _cpu_constants(**changes):
-    return cpu_constants(**{"graph": None, **changes})   # the v3 router: no pkv-graph fit
+    return cpu_constants(**{"graph": None, **changes})   # constants without a pkv-graph fit
 
 
 def _cache(shape=TINY, lens=(301, 77, 150)):

@@ -55,7 +55,7 @@ def smoke_cfg(**section) -> Config:
     return Config.from_dict(cfg)
 
 
-def smoke_plan(families=("bimodal",), **section) -> mp.Plan:
+def smoke_plan(families=("bimodal",), **section) -> mp.ModelStepPlan:
     cfg = smoke_cfg(**section)
     jobs = [mp.TraceJob(t.name, f, SEED, t) for f in families for t in (ms.synthetic_trace(cfg, f, SEED),)]
     return mp.build_plan(cfg, jobs)
@@ -531,7 +531,7 @@ def test_one_plan_serves_every_layer_on_its_own_kv(name):
         engine.run(q, plan, other)
 
 
-@pytest.mark.parametrize("graph", [True, False], ids=["routed-to-pkv-graph", "routed-to-a-v3-route"])
+@pytest.mark.parametrize("graph", [True, False], ids=["routed-to-pkv-graph", "routed-to-a-host-scheduled-route"])
 def test_the_router_runner_plans_once_and_reads_each_layers_kv(graph):
     """adaptive in the model step: one engine, one prepare() a step, each layer its own KV:
     the runner's output equals the reference runner's over the same per-layer caches."""
@@ -556,7 +556,7 @@ def test_the_router_runner_plans_once_and_reads_each_layers_kv(graph):
 
 
 def test_the_fp8_pass_runs_the_engines_that_read_fp8_and_names_the_others(monkeypatch):
-    """adaptive reads no FP8 cache (its v3 routes read 16-bit KV): the FP8 pass measures the
+    """adaptive reads no FP8 cache (its host-scheduled routes read 16-bit KV): the FP8 pass measures the
     other engines and names adaptive in `dropped`, instead of losing the whole FP8 pass."""
     monkeypatch.setattr(mp, "CPU_ENGINES", ("pkv-graph", "reference", "adaptive"))
     cfg = smoke_cfg(buckets=[2], steps=1, shapes=["smoke"], kv_dtypes=["auto", "fp8"],

@@ -67,6 +67,6 @@ def test_missing_or_foreign_parquet_is_one_clear_error(tmp_path):
 def test_the_method_line_says_how_the_pools_were_allocated():
     from pkv.report.kernels import pools_note
 
-    assert "16-bit and FP8 pools carved" in pools_note({"kv_pools": "arena-fp8"})   # runs from 6890e31 on
+    assert "16-bit and FP8 pools carved" in pools_note({"kv_pools": "arena-fp8"})   # FP8 copies in the arena
     assert "16-bit pools carved" in pools_note({"kv_pools": "arena"}) and "FP8" not in pools_note({"kv_pools": "arena"})
     assert pools_note({}) == ""

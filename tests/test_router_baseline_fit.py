@@ -1,4 +1,4 @@
-"""Router v4.1: each FlashInfer route's own device fit (fixed + bytes + rows, on its
+"""Each FlashInfer route's own device fit (fixed + bytes + rows, on its
 graph-replayed calibration rows), so the overlapped router tells FlashInfer's variants and
 pkv-graph apart by the device time they take; constants without fits route as before."""
 
@@ -76,7 +76,7 @@ def test_estimates_use_the_fit_and_the_router_takes_the_faster_variant():
 def test_constants_round_trip_and_old_constants_have_no_fits():
     committed = json.loads((ROOT / "results" / "calibration" / "constants.json").read_text())
     assert set(Constants.from_dict(committed).baseline_fit) == {"flashinfer", "flashinfer-tc"}
-    old = {k: v for k, v in committed.items() if k not in ("graph", "baseline_fit")}   # before router v4
+    old = {k: v for k, v in committed.items() if k not in ("graph", "baseline_fit")}   # no pkv-graph fit
     assert Constants.from_dict(old).baseline_fit == {} and Constants.from_dict(old).graph is None
     d = {**old, "graph": {**{k: 1e-6 for k in GraphFit.KEYS}, "num_ctas": 264, "min_tiles": 4},
          "baseline_fit": {"flashinfer": {**{k: getattr(CUDA_CORE, k) for k in BaselineFit.KEYS}, "rows": 9}}}

@@ -1,1 +1,2 @@
-"""Benchmarks outside the serving loop: kernel device time, the v3 split benchmark, the host path per step and FP8 accuracy."""
+"""Benchmarks outside the serving loop: kernel device time, the host-planned split benchmark, the host path
+per step and FP8 accuracy."""

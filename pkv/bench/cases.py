@@ -51,6 +51,9 @@ def copies_for(case: Case) -> int:
 
 
 ALIGN = 256   # bytes between the copies carved from a KvArena
+# The kernel benches' default seed of KV bytes, queries and ragged lengths (the reference
+# config's seeds.calibration; the Snakefile runs the kernel benches without --seed).
+BENCH_SEED = 20260622
 
 
 def _aligned(nbytes: int) -> int:
@@ -80,9 +83,9 @@ def pool_bytes(case: Case) -> int:
 class KvArena:
     """One device buffer that every case's KV copies are carved from, allocated once per
     process as a serving engine allocates its KV pool. Allocating and freeing each case's
-    multi-GB pools (and their FP32 staging) made pkv-graph's later rows of a sweep up to
-    ~13 % slower than the same cases in a fresh process, FlashInfer's not
-    (docs/perf-notes.md, v5.9); with the arena nothing is allocated per case but
+    multi-GB pools (and their FP32 staging) made pkv-graph's later rows of a sweep
+    slower than the same cases in a fresh process, FlashInfer's not
+    (docs/perf-notes.md); with the arena nothing is allocated per case but
     the queries and block tables (an FP8 case's e4m3 pools are carved behind its 16-bit ones,
     and quantized into in blocks of pages: pkv.core.fp8.quantize)."""
 

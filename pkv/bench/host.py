@@ -13,8 +13,8 @@ view built, warm-up), then with validation off
 Beside each FlashInfer engine: FlashInfer's raw `plan()` called directly on the same
 prebuilt arrays (host indptr and last_page_len, device page ids), and `view_us`, the
 cost of building those arrays for a step (done once per step off the timed path; a
-serving engine pays a gather kernel for it). The bar of issue 13 (pkv.bench.bars): an
-adapter's prepare() <= 1.10 x raw plan() + 10 us. Medians over the steps, in Parquet with
+serving engine pays a gather kernel for it). The bar (pkv.bench.bars): an
+adapter's prepare() <= BAR_FACTOR x raw plan() + BAR_US. Medians over the steps, in Parquet with
 provenance; its table is the report's (pkv.report.host, target tables/host_path.md).
 """
 
@@ -75,7 +75,9 @@ def build(name: str, cache: PagedCache, k: Constants | None, point: str | None):
     return make_engine(name, cache)
 
 
-def time_engine(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> dict:
+def host_path_medians(engine, steps: list[StepState], q: torch.Tensor, cuda: bool) -> dict:
+    """Host-path medians of one engine over `steps`: prepare(), the launch, the wall time of
+    both and the router's decision, each step validated first outside the timed region."""
     prep, launch, wall, route = [], [], [], []
     plan = None
     for step in steps:
@@ -158,7 +160,7 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
                         max_len=int(reserve.max()), device=device)
             try:
                 engine = build(name, cache, k, point)
-                row = {**base, **time_engine(engine, trace_steps, q, cuda), "error": ""}
+                row = {**base, **host_path_medians(engine, trace_steps, q, cuda), "error": ""}
                 if table.family(name) == "flashinfer":
                     row.update(raw_plan(engine, trace_steps, cuda))
                     row["bar_us"] = BAR_FACTOR * row["raw_plan_us"] + BAR_US

@@ -1,4 +1,4 @@
-"""`pkv bench kernels`: device time of PersistentKV v4 (`pkv-graph`) against FlashInfer over the serving range.
+"""`pkv bench kernels`: device time of PersistentKV's `pkv-graph` against FlashInfer over the serving range.
 
 Cases: homogeneous batch x context grids, ragged mixes, GQA group x head_dim points, and
 (`--suites fp8`) FP8 points: the same lengths from a 16-bit cache and from e4m3 caches
@@ -23,7 +23,7 @@ import time
 import numpy as np
 import torch
 
-from pkv.bench.cases import Case, KvArena, build_caches
+from pkv.bench.cases import BENCH_SEED, Case, KvArena, build_caches
 from pkv.core.units import K
 from pkv.engines.table import flashinfer, parse_spec   # the one table of engine names
 
@@ -38,7 +38,7 @@ def homogeneous(max_tokens: int = 1 << 20) -> list[Case]:
     return out
 
 
-def ragged(seed: int = 20260622) -> list[Case]:
+def ragged(seed: int = BENCH_SEED) -> list[Case]:
     rng = np.random.default_rng(seed)
     return [
         Case("ragged", "B8 bimodal 512/24K", tuple(int(x) for x in rng.choice([512, 24 * K], size=8))),
@@ -48,7 +48,7 @@ def ragged(seed: int = 20260622) -> list[Case]:
         Case("ragged", "1x32K + 31 short", (32 * K,) + tuple(int(x) for x in rng.integers(100, 2 * K, size=31))),
         Case("ragged", "1x128K + 7x1K", (128 * K,) + (K,) * 7),
         # Near-equal long rows whose segments straddle CTA ranges (a serving step of homogeneous
-        # B4, where merge = 4's waits once chained through the grid: docs/perf-notes.md, v5.8).
+        # B4, where merge = 4's waits could chain through the grid: docs/perf-notes.md).
         Case("ragged", "B4 32K + 1-200", tuple(32 * K + int(x) for x in rng.integers(1, 201, size=4))),
     ]
 
@@ -68,7 +68,7 @@ def shapes() -> list[Case]:
 FP8_KV = (("auto", ""), ("fp8", "tensor"), ("fp8", "page"))   # each point: 16-bit, then both FP8 policies
 
 
-def fp8(seed: int = 20260622) -> list[Case]:
+def fp8(seed: int = BENCH_SEED) -> list[Case]:
     """The FP8 rows: B1 4K-128K, B8 32K, B64 x 2K and ragged mixes, each with a 16-bit and
     both FP8 caches over the same lengths (the ratios pair them through `point`)."""
     pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B64 2K"}
@@ -87,7 +87,8 @@ def quick() -> list[Case]:
         c for c in shapes() if c.name in ("G5 d128 B1 32K", "G7 d128 B1 32K", "G4 d256 B1 32K", "G4 d64 B16 4K")]
 
 
-def time_engine(name: str, options: dict, caches, queries, step, reps: int) -> float:
+def graph_replay_us(name: str, options: dict, caches, queries, step, reps: int) -> float:
+    """Device time of one engine's run() per call, µs: CUDA-graph replay rotating over the copies."""
     from pkv.engines import make_engine
     from pkv.measure.timing import graph_us_per_call
 
@@ -110,7 +111,7 @@ def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: i
     for label in engines:
         name, options = parse_spec(label)
         try:
-            us, error = time_engine(name, options, caches, queries, step, reps), ""
+            us, error = graph_replay_us(name, options, caches, queries, step, reps), ""
         except (ValueError, RuntimeError) as err:  # a variant that does not build or run this shape
             us, error = math.nan, f"{type(err).__name__}: {str(err)[:300]}"
             torch.cuda.synchronize()
@@ -150,9 +151,9 @@ def trace_phases(rec, clock_ghz: float) -> dict:
 
     Per active decode CTA (medians, and the max for the whole range): lengths loaded and
     scanned, range cut, block-table ids (prologue copies issued), first KV step landed, the
-    steady loop, drain + CTA state written, last-CTA merge (v4). Across the launch: start
+    steady loop, drain + CTA state written, last-CTA merge. Across the launch: start
     skew of the decode CTAs, the decode span (first start to last end, %globaltimer), and
-    for the v5 merge kernel its first start after the decode's, its release after the
+    for the merge kernel (merge modes 1-3) its first start after the decode's, its release after the
     decode's last CTA ended (griddepcontrol.wait), its merge work and its last end."""
     dec, mer = rec[0], rec[1]
     used = dec[:, 0] > 0
@@ -278,12 +279,12 @@ def add_arguments(ap) -> None:
     ap.add_argument("--engines", nargs="+", default=["pkv-graph", *flashinfer()],
                     help="engine specs (name or name:key=value,...), e.g. pkv-graph:min_tiles=4")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
-    ap.add_argument("--seed", type=int, default=20260622, help="seed of the KV bytes, queries and ragged lengths")
+    ap.add_argument("--seed", type=int, default=BENCH_SEED, help="seed of the KV bytes, queries and ragged lengths")
     ap.add_argument("--out", default="results/raw/kernels/sweep.parquet", help="Parquet file to write")
     ap.add_argument("--trace", action="store_true",
                     help="diagnosis: build with PKV_TRACE=1 and print each pkv-graph call's phase budget "
                          "(lengths scan, block-table ids, first KV bytes, steady loop, drain, merge; "
-                         "docs/perf-notes.md, v5) instead of the sweep; --out gets every CTA's stamps and "
+                         "docs/perf-notes.md) instead of the sweep; --out gets every CTA's stamps and "
                          "<out>-phases.parquet the budgets")
     ap.add_argument("--trace-clock-ghz", type=float, default=0.0,
                     help="SM clock that converts --trace's clock64 stamps to µs; 0: measured, clock64 ticks "

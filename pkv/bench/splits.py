@@ -1,4 +1,4 @@
-"""`pkv bench splits`: the v3 (host-planned) kernels' isolated timings against the read roofline.
+"""`pkv bench splits`: the host-planned kernels' isolated timings against the read roofline.
 
 One run measures the read roofline (a sum over a multi-GB tensor), then, for each case
 and engine, device time by CUDA-graph replay and by CUDA events (medians after warm-up),
@@ -23,7 +23,7 @@ from pkv.core import io
 from pkv.engines import make_engine, table
 from pkv.core.harness import StepState
 from pkv.plan.schedule import SplitPolicy
-from pkv.bench.cases import Case, build_caches
+from pkv.bench.cases import BENCH_SEED, Case, build_caches
 from pkv.bench.roofline import read_roofline
 from pkv.core.units import K
 from pkv.measure.timing import HostClock, events_us, graph_us_per_call
@@ -49,7 +49,7 @@ CASES = (
 class Workload:
     """The case's rotated caches (pkv.bench.cases.build_caches) and its one decode step."""
 
-    def __init__(self, case: Case, seed: int = 20260622):
+    def __init__(self, case: Case, seed: int = BENCH_SEED):
         self.case = case
         self.step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
         self.caches, self.queries = build_caches(case, seed)
@@ -65,7 +65,7 @@ def _graph_us(name: str, calls: list, reps: int) -> float:
         return math.nan
 
 
-def time_engine(work: Workload, name: str, splits: int | None, reps: int, sweep: bool = False) -> dict:
+def replay_and_event_us(work: Workload, name: str, splits: int | None, reps: int, sweep: bool = False) -> dict:
     """Graph-replay and event medians (µs per call) of one engine, rotating over the copies.
 
     `sweep` times graph replay only (the split sweep's criterion)."""
@@ -112,12 +112,12 @@ def bench_case(case: Case, engines: list[str], reps: int, roofline: float, candi
         try:
             if name in PKV_ENGINES:
                 for s in candidates:
-                    sweep[s] = time_engine(work, name, s, max(5, reps // 4), sweep=True)["graph_us"]
+                    sweep[s] = replay_and_event_us(work, name, s, max(5, reps // 4), sweep=True)["graph_us"]
                 best = min(sweep, key=lambda s: (math.isnan(sweep[s]), sweep[s]))
-                result = time_engine(work, name, best, reps)
+                result = replay_and_event_us(work, name, best, reps)
             else:
                 best = 0
-                result = time_engine(work, name, None, reps)
+                result = replay_and_event_us(work, name, None, reps)
         except (ValueError, RuntimeError) as err:  # e.g. a FlashInfer variant that does not run this shape
             print(f"  {name} {case}: {type(err).__name__}: {str(err)[:300]}", file=sys.stderr)
             rows.append(dict(_case_cols(case), engine=name, error=str(err)[:500], copies=len(work.caches)))
@@ -193,7 +193,7 @@ def run_kernels(args) -> int:
 
 
 def add_command(bench) -> None:
-    p = bench.add_parser("splits", help="v3 host-planned schedules at their best split per case (needs a GPU)",
+    p = bench.add_parser("splits", help="host-planned schedules at their best split per case (needs a GPU)",
                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--engines", default=",".join(PKV_ENGINES + BASELINES), help="engines to time")
     p.add_argument("--cases", default="", help="comma-separated case indices (default: all)")

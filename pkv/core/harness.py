@@ -42,6 +42,12 @@ class StepState:
         return len(self.request_ids)
 
 
+def step_seed(seed: int, step: int) -> int:
+    """The random seed of one decode step's inputs (queries, hidden states) in a run on `seed`:
+    a different one each step, the same for every engine and layer of that step."""
+    return seed * 1009 + step
+
+
 def decode_steps(trace: Trace, max_active: int, max_steps: int | None = None) -> Iterator[StepState]:
     if max_active < 1:
         raise ValueError(f"max_active must be >= 1, got {max_active}")

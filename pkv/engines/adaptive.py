@@ -7,8 +7,8 @@ CUDA graph of run() captures exactly the chosen route. The decision's own host t
 the plan's `route_s` (a column of every serving row).
 
 Routes: the constants' FlashInfer baselines, the host-scheduled PersistentKV routes at
-their frozen splits, and pkv-graph where the constants carry its fit (Router v4; older
-constants never build it). `objective` (spec `adaptive:objective=overlapped`) is what the
+their frozen splits, and pkv-graph where the constants carry its fit (constants
+without one never build it). `objective` (spec `adaptive:objective=overlapped`) is what the
 router minimizes: serial (device + host time, the default) or overlapped (device time).
 prepare(step, rows=B_pad) pads a step the router sends to pkv-graph to a bucket's rows:
 that plan reads only the engine's fixed buffers, so a CUDA graph of run() captured for

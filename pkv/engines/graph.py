@@ -1,4 +1,4 @@
-"""`pkv-graph`: the v4/v5 decode with no host plan (csrc/graph_decode.cu, docs/graph-decode.md).
+"""`pkv-graph`: the decode with no host plan (csrc/graph_decode.cu, docs/graph-decode.md).
 
 prepare() writes the step's lengths and block-table row ids into one pinned buffer and
 issues one host-to-device copy; the kernel decides the split on the GPU. Every buffer the
@@ -73,11 +73,11 @@ class GraphPlan(Plan):
 
 
 # pkv-graph's `merge` option (csrc/graph_decode.h): who merges a segment cut across CTAs.
-MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel (v5.7)",
-               0: "its last CTA always (v4)", 3: "the PDL merge kernel always (v5)",
+MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel",
+               0: "its last CTA always", 3: "the PDL merge kernel always",
                2: "the merge kernel launched as the decode exits (ablation)",
                4: f"its last CTA up to {CTA_MERGE_STATES} states, else its last {MERGE_SLICES} CTAs, "
-                  "no merge kernel (v5.8, default)"}
+                  "no merge kernel (default)"}
 MERGE_KERNEL_MODES = (1, 2, 3)   # the modes that launch the merge kernel
 
 
@@ -104,7 +104,7 @@ class GraphEngine(Engine):
         self.merge = int(merge)   # how cut segments merge on the GPU; the CPU oracle is the same for all
         if not 0 <= piece_cost <= MAX_PIECE_COST:
             raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a short segment's piece costs in "
-                             f"the cut (v5.9; 0: tiles only), got {piece_cost}")
+                             f"the cut (0: tiles only), got {piece_cost}")
         self.piece_cost = int(piece_cost)
         # merge = 4's diagnosis options (csrc/graph_decode.cu, spin_pause): where the segments'
         # counters sit (ints apart) and the mergers' spin back-off (ns a poll).

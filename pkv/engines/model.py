@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from pkv.core.cache import PagedCache
-from pkv.core.harness import StepState
+from pkv.core.harness import StepState, step_seed
 from pkv.core.shape import Shape
 from pkv.engines.table import runners
 
@@ -129,7 +129,7 @@ class DecoderModel:
 
 
 def step_input(step: StepState, hidden: int, seed: int, dtype: torch.dtype, device) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed * 1009 + step.step)
+    gen = torch.Generator(device=device).manual_seed(step_seed(seed, step.step))
     return torch.randn(step.active, hidden, generator=gen, device=device, dtype=torch.float32).to(dtype)
 
 

@@ -26,7 +26,7 @@ from pkv.core.validate import check_kv
 MODE_DIRECT, MODE_PARTIAL, MODE_FUSED, MODE_CLUSTER = 0, 1, 2, 3
 MAX_SPLITS = 256  # kMaxSegSlots in csrc/pkv_decode.cu
 MAX_CLUSTER_SPLITS = 16  # kMaxClusterSplits in csrc/pkv_decode.h
-GROUPS = (1, 2, 4, 8)  # GQA groups the v3 kernels take (launch_decode's group check)
+GROUPS = (1, 2, 4, 8)  # GQA groups the host-scheduled kernels take (launch_decode's group check)
 # The decode op's named arguments past its tensors, in csrc/binding.cpp's schema order.
 KERNEL_ARGS = ("seq_lens_off", "req_ids_off", "rows_off", "tasks_off", "seg_off", "num_rows", "splits", "num_slots",
                "bound_len", "group", "page_shift", "qo_indexed", "early_exit", "mode")
@@ -160,7 +160,7 @@ class PkvEngine(Engine):
             raise ValueError(f"{name} supports at most {MAX_SPLITS} splits, got {self.policy.splits}")
         self.indexed_qo, self.row_local, self.early_exit = indexed_qo, row_local, early_exit
         # Ablation: grid launches of <= 16 splits merge inside one thread-block cluster (no
-        # merge launch). Off by default: slower on the H200 except B1 8K (docs/perf-notes.md).
+        # merge launch). Off by default: slower in most cases (docs/perf-notes.md).
         self.cluster_merge = cluster_merge
         self.num_sms = num_sms(cache.device)
         self.page_shift = s.page_size.bit_length() - 1
@@ -253,7 +253,7 @@ def _kernel_ops():
 
 
 def build(name, info, cache, policy=None, **options):
-    """A host-scheduled v3 engine: the kernels on a CUDA cache, the task-list engine on a CPU one."""
+    """A host-scheduled engine: the kernels on a CUDA cache, the task-list engine on a CPU one."""
     from pkv.engines.registry import check_options
 
     if "splits" in options:   # a spec's fixed split count (pkv-workqueue:splits=16)

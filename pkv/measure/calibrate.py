@@ -15,12 +15,12 @@ and per operating point (`operating_points[point]["host_s"]`), since it grows wi
 batch. Margins and gates are policy, copied from the config. On the CPU smoke profile
 the same measurements run on the CPU (threads stand in for SMs) and the constants say so.
 
-pkv-graph (Router v4) runs once per operating point (it has no split) beside the
+pkv-graph runs once per operating point (it has no split) beside the
 baselines; its device fit (`fit_graph`: fixed cost, seconds per KV byte and per merge
 byte, by non-negative least squares in relative error over its rows' device time and
 counters) is `constants["graph"]`, and its host time is H_graph of fit_host_s.
 
-The same split-0 run (Router v4.2) runs the host-scheduled routes once more, at the split
+The same split-0 run runs the host-scheduled routes once more, at the split
 the grid just chose for the point (split 0 in their rows: "the engine's own", as in a serving
 run), so that they too are graph-replayed: their device fits (`fit_route`, the roofline's
 terms with each route's own coefficients, `constants["route_fit"]`) and their H_r are made on
@@ -179,12 +179,11 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     estimate (pkv.plan.costmodel.estimate without H_r) against their measured step time (CUDA
     events; wall time where none were timed), over every PersistentKV row of the sweep.
 
-    Why fitted, not set: the earlier heuristic (C_min = CTA work per SM of the best bucket
-    split at the lowest batch, lambda = back-to-back launch overhead on the host) made
-    the occupancy stall too steep (C_min 1.94) and launches too cheap (9.9 us): at
-    bimodal B4 it costed the workqueue's 96 CTAs at 2.7x the bytes time and the bucket
-    route's 8 launches at 79 us, so the router took the bucket route that ran slower on
-    every measure (results/raw/serve/bimodal-b4-*)."""
+    Why fitted, not set: a heuristic (C_min = CTA work per SM of the best bucket split at
+    the lowest batch, lambda = back-to-back launch overhead on the host) makes the
+    occupancy stall too steep and launches too cheap: at bimodal B4 it costs the
+    workqueue's CTAs at a multiple of the bytes time and the bucket route's launches at
+    little, so the router takes the bucket route, which runs slower on every measure."""
     frame = grid_rows(frame)
     rows = frame[frame["engine"].isin(list(scheduled_routes())) & frame["decode_ctas"].notna()]
     if rows.empty:
@@ -266,16 +265,16 @@ def fit_baseline(frame: pd.DataFrame, baseline: str, kv_bytes_per_token: int) ->
 
 def fit_route(frame: pd.DataFrame, engine: str, sm_count: int) -> dict | None:
     """A host-scheduled route's RouteFit from its split-0 rows of the sweep (those the frozen
-    split ran; graph-replayed where there are any), or None without them (a sweep before
-    Router v4.2) or where the fit would price a step at zero: T = fixed + KV bytes * a *
+    split ran; graph-replayed where there are any), or None without them (a sweep without
+    the split-0 run) or where the fit would price a step at zero: T = fixed + KV bytes * a *
     max(1, C / occupancy) + merge bytes * b + launches * l, the coefficients non-negative and
     minimizing the squared relative error against the device time, C the best of the
     FIT_C_MIN grid (occupancy = decode CTAs / SMs).
 
-    Router v4.4 adds + the longest task's KV bytes * t (`task_kv_bytes`, one CTA's read): with
-    fewer CTAs than SMs the step waits for its longest task, which total bytes over occupancy
-    do not see (the reference run at a881d96: the workqueue at 88 CTAs ran 10 % over its
-    v4.3 estimate on a held-out bimodal B4 seed). Rows without the column fit t = 0."""
+    Plus the longest task's KV bytes * t (`task_kv_bytes`, one CTA's read): with fewer CTAs
+    than SMs the step waits for its longest task, which total bytes over occupancy do not
+    see (a route with few CTAs runs over an estimate without the term on a held-out seed).
+    Rows without the column fit t = 0."""
     rows = frame[(frame["engine"] == engine) & (frame["split"] == 0) & frame["decode_ctas"].notna()]
     rows = replayed(rows)
     if rows.empty:
@@ -342,20 +341,20 @@ def fit_constants(constants: dict, frame: pd.DataFrame, baselines: list[str], kv
                                      for b in baselines}
     # After the CTA fit, which models device time only.
     out["host_s"] = fit_host_s(frame)
-    # Router v4.2: the host-scheduled routes' own device fits (sweeps without their split-0
-    # rows have none and keep the roofline above).
+    # The host-scheduled routes' own device fits (sweeps without their split-0 rows have
+    # none and keep the roofline above).
     routes = {kind: fit_route(frame, name, out["sm_count"]) for name, kind in scheduled_routes().items()}
     if any(f is not None for f in routes.values()):
         out["route_fit"] = {kind: f for kind, f in routes.items() if f is not None}
     # A refit of a committed sweep: its pkv-graph rows ran on the cut its constants name
-    # (GraphFit.from_dict: none named before v5.9, so 0); a fresh sweep on the code's.
+    # (GraphFit.from_dict: none named, so 0); a fresh sweep on the code's.
     base = GraphFit.from_dict(constants["graph"]) if "graph" in constants else None
     cut = (base.min_tiles, base.piece_cost) if base is not None else (GRAPH_MIN_TILES, PIECE_COST)
     graph = fit_graph(frame, *cut)
     if graph is not None:
         out["graph"] = graph
-        # Router v4.1: the baselines' own device fits (with pkv-graph's: constants without it
-        # were calibrated before Router v4 and keep the roofline for every route).
+        # The baselines' own device fits (with pkv-graph's: constants without a graph fit
+        # keep the roofline for every route).
         fits = {b: fit_baseline(frame, b, kv_bytes_per_token) for b in baselines}
         out["baseline_fit"] = {b: f for b, f in fits.items() if f is not None}
     return out

@@ -33,9 +33,10 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
+from pkv.config.typed import Tolerance   # the config's tolerance section, used as is
 from pkv.core.cache import PagedCache
 from pkv.engines import Engine
-from pkv.core.harness import StepState
+from pkv.core.harness import StepState, step_seed
 from pkv.kernels.reference import attention_reference, tensor_lens
 from pkv.measure.timing import L2_FLUSH_BYTES, Timer  # noqa: F401 - both were defined here; kept importable
 
@@ -60,12 +61,6 @@ COUNTER_FIELDS = ("decode_launches", "merge_launches", "extra_launches", "decode
 class CorrectnessError(ValueError):
     """An engine's output left the tolerance; no timing of that trace is trustworthy.
     (A ValueError, so the CLI reports it in one line and exits 2.)"""
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    max_abs: float
-    mean_abs: float
 
 
 @dataclass(frozen=True)
@@ -123,7 +118,7 @@ def measure(
     rows = []
     for i, state in enumerate(tqdm(steps, desc=f"{job.stage} {job.trace}", unit="step", file=sys.stderr,
                                    mininterval=2.0)):
-        q = cache.query(state.active, seed=job.seed * 1009 + state.step)
+        q = cache.query(state.active, seed=step_seed(job.seed, state.step))
         # Correctness first (untimed; also warms every engine for this step's shapes): one
         # prepare() per engine, then run() over each checked layer's cache.
         base_plan = engines[baseline].prepare(state)
@@ -146,7 +141,7 @@ def measure(
             errs[label] = worst
         # Timed pass, engine order rotated per step: wall and events of every engine first,
         # then graph replays. Capturing and freeing a graph leaves allocator and driver work
-        # behind; measured on the H200, it landed in the next engine's wall time (+1 ms).
+        # behind, which would land in the next engine's wall time.
         order = labels[i % len(labels):] + labels[:i % len(labels)]
         samples = {label: [timer.timed(engines[label], state, q) for _ in range(repeats)] for label in order}
         for label in order:

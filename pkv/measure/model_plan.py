@@ -42,7 +42,7 @@ class TraceJob:
 
 
 @dataclass
-class Plan:
+class ModelStepPlan:
     """What one run measures, resolved from the config."""
 
     cfg: Config
@@ -67,7 +67,8 @@ def settings(cfg: Config) -> ModelStep:
                             if getattr(given, f.name) is not None})
 
 
-def build_plan(cfg: Config, traces: list[TraceJob], constants=None, sizing: list[TraceJob] | None = None) -> Plan:
+def build_plan(cfg: Config, traces: list[TraceJob], constants=None,
+               sizing: list[TraceJob] | None = None) -> ModelStepPlan:
     s = settings(cfg)
     allowed = CPU_ENGINES if cfg.profile == "smoke" else GPU_ENGINES
     wrong = [e for e in s.engines if e not in allowed]
@@ -77,9 +78,9 @@ def build_plan(cfg: Config, traces: list[TraceJob], constants=None, sizing: list
     if s.kv_dtypes[0] != "auto":
         raise ConfigError("model_step.kv_dtypes: the 16-bit cache ('auto') comes first (FP8's accuracy is "
                           "measured against it)")
-    return Plan(cfg, [MODEL_SHAPES[n] for n in s.shapes], sorted(s.buckets), traces, s.steps, list(s.engines),
-                s.repeats, list(s.kv_dtypes), constants if any(e in runners("routed") for e in s.engines) else None,
-                sizing)
+    return ModelStepPlan(cfg, [MODEL_SHAPES[n] for n in s.shapes], sorted(s.buckets), traces, s.steps,
+                         list(s.engines), s.repeats, list(s.kv_dtypes),
+                         constants if any(e in runners("routed") for e in s.engines) else None, sizing)
 
 
 # ---------------------------------------------------------------- buckets and steps

@@ -1,4 +1,4 @@
-"""Model-level decode step (issues 12, 23): N decoder layers around the decode attention,
+"""Model-level decode step: N decoder layers around the decode attention,
 a pipeline stage (`pkv measure model-step --seed S`, `pkv measure model-step-external
 --trace T`; rows of pkv.config.stages) on the validated config.
 
@@ -55,8 +55,8 @@ from pkv.core.paging import PageAssignment
 from pkv.core.shape import Shape
 from pkv.engines import table
 from pkv.engines.model import DecoderModel, Runner, step_input
-from pkv.measure.model_plan import (Plan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps, fitted,
-                                    kv_bytes, settings, spread_steps)
+from pkv.measure.model_plan import (ModelStepPlan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps,
+                                    fitted, kv_bytes, settings, spread_steps)
 from pkv.measure.model_runners import build_runners
 from pkv.measure.stages import external_trace, layer_assignment, layer_caches, synthetic_trace
 from pkv.measure.timing import StepClock
@@ -92,7 +92,7 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     return float(d.norm() / b.norm().clamp_min(1e-30)), float(d.abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def measure_job(plan: Plan, model: DecoderModel, caches: list[PagedCache], job: TraceJob, max_active: int,
+def measure_job(plan: ModelStepPlan, model: DecoderModel, caches: list[PagedCache], job: TraceJob, max_active: int,
                 steps: list[StepState], runners: dict[str, Runner], xs: dict[int, torch.Tensor], clock: StepClock,
                 refs: dict) -> list[dict]:
     """Rows of COLUMNS: one per (step, engine), then one pipelined row per engine. `refs` holds
@@ -162,7 +162,7 @@ def _warm(runners: dict[str, Runner], first: dict[int, StepState], dropped: dict
                 torch.cuda.synchronize()
 
 
-def run(plan: Plan, log=print, dropped: dict[str, str] | None = None, memory: dict | None = None,
+def run(plan: ModelStepPlan, log=print, dropped: dict[str, str] | None = None, memory: dict | None = None,
         simulated: dict[str, str] | None = None) -> pd.DataFrame:
     """Every (shape, trace, kv_dtype, max_active) job. One shape's weights at a time, with as
     many of its layers as fit the device beside its caches (model_plan.fitted; the count run
@@ -214,7 +214,7 @@ def _job_failed(shape: str, job: str, e: Exception, dropped: dict, log) -> None:
     log(f"model_step {shape} {job}: failed, kept what was measured: {_error(e)}")
 
 
-def _sizing_pages(plan: Plan, shape: Shape, layouts: dict[str, Layout]) -> int:
+def _sizing_pages(plan: ModelStepPlan, shape: Shape, layouts: dict[str, Layout]) -> int:
     """The most pages any of the plan's sizing traces reads (its own traces' where it names none)."""
     pages = [lay.assignment.num_pages for lay in layouts.values()]
     pages += [_layout(plan, shape, job).assignment.num_pages for job in plan.sizing or () if job.name not in layouts]
@@ -240,15 +240,15 @@ class Layout:
     assignment: PageAssignment
 
 
-def _layout(plan: Plan, shape: Shape, job: TraceJob) -> Layout:
+def _layout(plan: ModelStepPlan, shape: Shape, job: TraceJob) -> Layout:
     step_sets = {b: spread_steps(job.trace, b, plan.steps) for b in plan.buckets}
     assignment = layer_assignment(job.trace, shape, plan.cfg.measure.holes, job.seed,
                                   [st for steps in step_sets.values() for st in steps])
     return Layout(step_sets, first_steps(step_sets.values(), plan.buckets), assignment)
 
 
-def _serve_trace(plan: Plan, model: DecoderModel, job: TraceJob, layout: Layout, clock: StepClock, start: float,
-                 rows: list, dropped: dict, memory: dict, log) -> None:
+def _serve_trace(plan: ModelStepPlan, model: DecoderModel, job: TraceJob, layout: Layout, clock: StepClock,
+                 start: float, rows: list, dropped: dict, memory: dict, log) -> None:
     """One (shape, trace): each kv_dtype (16-bit first) x every max_active in plan.buckets."""
     cfg, ms = plan.cfg, model.shape
     shape = ms.attention(cfg.shape.page_size, cfg.shape.dtype)

@@ -1,5 +1,5 @@
 """The router replayed over the calibration seed's measured steps: each operating point's
-device scales (Router v4.3) and the overlapped objective's promotion margin
+device scales and the overlapped objective's promotion margin
 (`policy.fit_overlapped_margin: true`), both fitted at calibration.
 
 Device scales (`with_device_scale`): at each serving point, every route's measured device time
@@ -8,11 +8,11 @@ over its estimate, summed over the point's steps (the split-0 run's graph replay
 says why). The margin is fitted after them, on the scaled estimates.
 
 A margin m keeps FlashInfer wherever the best PersistentKV estimate is less than m times
-cheaper. Set by argument, it was wrong: 1.05 (the fits' combined error) kept FlashInfer-TC
-on homogeneous B1, where the estimates put pkv-graph 4.7 % ahead and it ran 5-6 % faster on
-every seed (the reference run at 5bb60ee: 0.935-0.947 of the best fixed route).
-Here the router itself is replayed over the calibration sweep's own steps (seed 20260622,
-every serving point, the split-0 run whose rows hold each route's graph-replayed device time
+cheaper. A margin set by argument (the fits' combined error) can keep FlashInfer where
+a PersistentKV route is both estimated and measured ahead by a few per cent, which costs the
+overlapped router its bar at that point; so the margin is measured, not argued.
+Here the router itself is replayed over the calibration sweep's own steps (the calibration
+seed, every serving point, the split-0 run whose rows hold each route's graph-replayed device time
 per step): under each margin of MARGIN_GRID, the overlapped router's routes (the frozen
 constants' estimates, `pkv.plan.costmodel.promote`) cost the sum of the chosen routes'
 measured times, against each fixed route's sum over the same steps. The margin kept is the one

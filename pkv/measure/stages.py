@@ -310,7 +310,7 @@ def external(cfg: Config | dict, k: Constants, trace: Path) -> Result:
 
 
 def nsight_trace(cfg: Config | dict, k: Constants) -> Result:
-    """The short B8 trace profiled under ncu (issue 6): same loop, no graph replay."""
+    """The short B8 trace profiled under ncu: same loop, no graph replay."""
     cfg = Config.of(cfg)
     c = cfg.nsight_capture
     seed = cfg.seeds.ablation

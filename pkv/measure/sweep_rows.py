@@ -20,8 +20,8 @@ def measured_s(rows: pd.DataFrame) -> np.ndarray:
 
 def replayed(rows: pd.DataFrame) -> pd.DataFrame:
     """The rows with a CUDA-graph replay time where there are any, else all of them. Events
-    around run() also hold the host's launch of it: for FlashInfer's Python run() that was
-    ~80-110 us at B1 on the H200 (CUDA events 134 us, graph replay 35 us)."""
+    around run() also hold the host's launch of it: for FlashInfer's Python run() that is
+    most of a short step's event span."""
     graphed = rows[rows["graph_s"].notna()] if "graph_s" in rows else rows.iloc[:0]
     return graphed if len(graphed) else rows
 

@@ -1,7 +1,7 @@
 """Build every kernel a run will load, side by side, before the run measures anything.
 
-On a fresh machine our extension (~30 s on the H200) and each FlashInfer module a run
-touches (decode, tensor-core and persistent, per head_dim and KV dtype: ~10-25 s each)
+On a fresh machine our extension and each FlashInfer module a run
+touches (decode, tensor-core and persistent, per head_dim and KV dtype), each for many seconds,
 are compiled on first use, one after the other, inside the measuring jobs, with the GPU
 idle. `pkv build-kernels` builds them at once: one process per variant, each running
 the engine's own prepare() and run() on a two-row batch, so what gets built is exactly

@@ -1,1 +1,2 @@
-"""Planning a decode step: the split rule and host schedules (v3), the device-side split rule's CPU oracle (v4), and the roofline cost model the router applies."""
+"""Planning a decode step: the split rule and host schedules, the device-side split rule's CPU
+oracle, and the roofline cost model the router applies."""

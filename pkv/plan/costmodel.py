@@ -6,84 +6,69 @@ For every candidate route r of a decode step
 
 with C_r the decode CTA work per SM, L_r the launch count and H_r the route's host time
 per step outside the device span (planning, launch submission). H_r extends the paper's
-device-time roofline: serving pays for it every step, and on the H200 it is most of a
-short step (FlashInfer's plan() about 0.5 ms against about 0.2 ms for ours, measured at
-calibration), so a device-only model keeps FlashInfer where it loses on wall time. A
-route with no calibrated H_r (CPU smoke, hand-built constants) is costed at 0. FlashInfer routes are
-estimated with one launch and `baseline_ctas_per_head[r]` CTAs per (row, KV head), the
-effective split its own planner exposes, fitted at calibration. A PersistentKV route
-must pass the eligibility gates (calibrated GQA group, long enough context) and beat the
-best FlashInfer estimate by the promotion margin for the step's active count.
+device-time roofline: serving pays for it every step, and on a fast GPU it is a large part
+of a short step, FlashInfer's plan() more than our prepare(), so a device-only model keeps
+FlashInfer where it loses on wall time. A route with no calibrated H_r (CPU smoke,
+hand-built constants) is costed at 0. FlashInfer routes are estimated with one launch and
+`baseline_ctas_per_head[r]` CTAs per (row, KV head), the effective split its own planner
+exposes, fitted at calibration. A PersistentKV route must pass the eligibility gates
+(calibrated GQA group, long enough context) and beat the best FlashInfer estimate by the
+promotion margin for the step's active count.
 
-pkv-graph (route key "graph", Router v4) has no host plan and decides its split on the
-GPU, so the roofline above does not describe it. Its device time has its own closed form,
+Where the constants hold a route's own fit, that fit replaces the shared roofline's device term:
 
-    T_graph = fixed_s + KVBytes * s_per_kv_byte + MergeBytes * s_per_merge_byte
-
-(one launch plus the v5 merge kernel, streaming, and the partial states of the segments
-the device rule cuts: pkv.plan.device_schedule's rule counted by `graph_counts`), fitted
-at calibration (`GraphFit`); its host time H_graph is its prepare() (one metadata upload),
-fitted like every other H_r. Constants without a GraphFit (every run calibrated before
-Router v4) do not offer pkv-graph and route exactly as before.
-
-A FlashInfer route with a `BaselineFit` in the constants (calibrated since Router v4.1) is
-costed by it instead of the roofline: T = fixed_s + KVBytes * s_per_kv_byte + rows * s_per_row,
-fitted per variant on its device time. The roofline's one free parameter (CTAs per head)
-cannot tell FlashInfer's CUDA-core decode from its tensor-core one, and it put both under
-pkv-graph's fit at B4-B8, so the overlapped router took the slower variant (the H200 probe at
-edc9451: device ratio 0.79-0.87 of the faster FlashInfer at homogeneous and bimodal B4/B8).
-
-A host-scheduled PersistentKV route (bucket, workqueue) with a `RouteFit` in the constants
-(calibrated since Router v4.2) is costed by it instead of the shared roofline:
-
-    T = fixed_s + KVBytes * s_per_kv_byte * max(1, c_min / C_r) + MergeBytes * s_per_merge_byte
-        + L_r * s_per_launch + TaskBytes * s_per_task_byte
-
-the roofline's form with the route's own coefficients, fitted on its graph-replayed calibration
-rows at its frozen split. TaskBytes (Router v4.4) is the longest task's KV bytes: with fewer
-CTAs than SMs a step waits for it (constants calibrated before v4.4 have s_per_task_byte 0).
-The shared roofline's C_min and lambda are fitted on CUDA events of the split grid, and the
-event span around run() holds the host's submission of the launches (40-70 us on the H200): it
-put the workqueue at 72.6 us on homogeneous B1 against 50.4 us of graph replay (results at
-4c7ddb8), so the overlapped router never took a v3 route.
+- pkv-graph (route key "graph", `GraphFit`) has no host plan and decides its split on the
+  GPU, so the roofline does not describe it:
+  T = fixed_s + KVBytes * s_per_kv_byte + MergeBytes * s_per_merge_byte
+  (one launch plus the merge, streaming, and the partial states of the segments the device
+  rule cuts: pkv.plan.device_schedule's rule counted by `graph_counts`). Its H_r is its
+  prepare() (one metadata upload). Constants without a GraphFit do not offer pkv-graph.
+- A FlashInfer route (`BaselineFit`): T = fixed_s + KVBytes * s_per_kv_byte + rows * s_per_row,
+  fitted per variant on its device time. The roofline's one free parameter (CTAs per head)
+  cannot tell FlashInfer's CUDA-core decode from its tensor-core one.
+- A host-scheduled PersistentKV route (bucket, workqueue; `RouteFit`): the roofline's form
+  with the route's own coefficients, fitted on its graph-replayed calibration rows at its
+  frozen split,
+  T = fixed_s + KVBytes * s_per_kv_byte * max(1, c_min / C_r) + MergeBytes * s_per_merge_byte
+      + L_r * s_per_launch + TaskBytes * s_per_task_byte.
+  The shared roofline's C_min and lambda are fitted on CUDA events of the split grid, whose
+  span holds the host's submission of the launches, and so overprice these routes' device
+  time. TaskBytes is the longest task's KV bytes: with fewer CTAs than SMs a step waits for
+  it (a fit without the term has s_per_task_byte 0).
 
 A route's device estimate at a calibrated operating point is multiplied by that point's
-`device_scale` for the route (calibrated since Router v4.3): measured over estimated device
-time, summed over the calibration seed's steps of that point (pkv.measure.overlapped_margin).
-One closed form per route leaves errors that are systematic per trace family, of the size of
-the differences between the routes (the reference run at 31fbef4, replayed: the workqueue 3.5 %
-over its estimate on Zipf B8, the bucket 7.5 % over on homogeneous B1, pkv-graph 3 % under on
-uniform B8, and the held-out seeds' errors within 1-4 % of those), so the overlapped router took
-v3 routes that ran 3-3.5 % slower than pkv-graph. Points without a scale (traces outside the
-serving grid, older constants) keep factor 1.
+`device_scale` for the route: measured over estimated device time, summed over the
+calibration seed's steps of that point (pkv.measure.overlapped_margin). One closed form per
+route leaves errors that are systematic per trace family and of the size of the differences
+between the routes; the scale takes them out. Points without a scale (traces outside the
+serving grid, constants without scales) keep factor 1.
 
 The objective says what a step costs: `serial` (device + H_r: the paper's synchronized
 loop, the default) or `overlapped` (device time only: a scheduler that hides host work
 behind the GPU). The overlapped objective promotes by its own margins where the config sets
 them (`policy.overlapped_margins`), else by the serial ones: a margin m keeps FlashInfer where
-a route is up to m times faster, so a bar of 0.97 of the best fixed route on device time
-needs m <= 1/0.97 at the batches where the routes are that close (B1 at 4c7ddb8: the
-workqueue 3.9-5.8 % ahead of FlashInfer-TC against the margin 1.05).
+a route is up to m times faster, so a bar b of the best fixed route on device time needs
+m <= 1/b at the batches where the routes are that close.
 All constants come from `constants.json` written by `pkv calibrate` on the GPU present.
 
-This module is long because the Router's per-step fast path restates the route cost
-functions (bucket_cost, workqueue_cost, graph_cost) in integer counts: both stay in one
-file so that a change to one is made beside the other (tests check they agree).
+This module is long because the Router's per-step fast path and the route cost functions
+(bucket_cost, workqueue_cost, graph_cost) share one definition of each route's counts
+(bucket_counts, workqueue_counts, graph_counts), each with a plain-int path for a few rows
+and a numpy path for many: both stay in one file so that a change to one is made beside
+the other (tests check they agree with the schedules they count).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
-from pkv.plan.schedule import (TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, task_tokens, workqueue_chunk,
-                               workqueue_row_splits)
+from pkv.plan.schedule import (TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, workqueue_row_splits)
 from pkv.core.shape import Shape
 
 
@@ -94,14 +79,14 @@ SMALL_ROWS = 48                          # up to this many rows, plain Python in
 
 @dataclass(frozen=True)
 class GraphFit:
-    """pkv-graph's fitted device time (T_graph above) and the grid it was fitted on."""
+    """pkv-graph's fitted device time (its closed form in the module docstring) and the grid it was fitted on."""
 
     fixed_s: float            # launch, length scan and merge-kernel latency of a step
     s_per_kv_byte: float      # 1 / streaming bandwidth of the single launch
     s_per_merge_byte: float   # per partial-state byte of the cut segments (written, then merged)
     num_ctas: int             # the grid the calibration ran (CTAs/SM x SMs)
     min_tiles: int            # the smallest CTA range, in tiles
-    piece_cost: int = 0       # the cut's set-up units a short segment (v5.9); absent from older constants: 0
+    piece_cost: int = 0       # set-up units in front of a short segment; constants without it: 0
 
     KEYS = ("fixed_s", "s_per_kv_byte", "s_per_merge_byte", "num_ctas", "min_tiles", "piece_cost")
 
@@ -159,7 +144,7 @@ class RouteFit:
     c_min: float              # occupancy target, decode CTAs per SM, below which streaming stalls
     s_per_merge_byte: float   # per partial-state byte (written, then merged)
     s_per_launch: float       # per launch inside the step's device span
-    s_per_task_byte: float = 0.0   # per KV byte of the longest task (Router v4.4; 0 in earlier constants)
+    s_per_task_byte: float = 0.0   # per KV byte of the longest task (0: no such term)
 
     KEYS = ("fixed_s", "s_per_kv_byte", "c_min", "s_per_merge_byte", "s_per_launch", "s_per_task_byte")
 
@@ -175,7 +160,7 @@ class RouteFit:
 
     @classmethod
     def from_dict(cls, d: dict) -> "RouteFit":
-        # Constants calibrated before Router v4.4 have no critical-path term: 0, as they were fitted.
+        # Constants without the critical-path term were fitted without it: 0.
         return cls(*(float(d.get(key, 0.0) if key == "s_per_task_byte" else d[key]) for key in cls.KEYS))
 
 
@@ -233,7 +218,7 @@ class Constants:
         """These constants as the router applies them at operating point `point`: its own
         host times (H_r measured at that point, `operating_points[point]["host_s"]`) over
         the global medians, and its routes' device scales (`operating_points[point]
-        ["device_scale"]`, Router v4.3). Constants without either are returned as is."""
+        ["device_scale"]`). Constants without either are returned as is."""
         here = self.operating_points.get(point, {})
         local, scale = here.get("host_s"), here.get("device_scale")
         if not local and not scale:
@@ -307,7 +292,7 @@ def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
     device scale) plus H_r when serial."""
     if cost.route == GRAPH:
         if k.graph is None:
-            raise ValueError("these constants have no pkv-graph fit (calibrated before Router v4)")
+            raise ValueError("these constants have no pkv-graph fit (recalibrate to offer pkv-graph)")
         device = k.graph.device_s(cost)
     elif cost.route in k.baseline_fit:
         device = k.baseline_fit[cost.route].device_s(cost)
@@ -320,15 +305,21 @@ def estimate(cost: RouteCost, k: Constants, objective: str = "serial") -> float:
     return device + k.host_s.get(cost.route, 0.0) if objective == "serial" else device
 
 
-# The two PersistentKV routes, costed in closed form from the step's lengths: the same
-# counts pkv.plan.schedule's bucket and workqueue schedules produce (row-local bounds, so KV
-# bytes read = useful bytes), without building the task lists on the hot path. These run
-# once per decode step for a batch of a few to a few dozen rows, where plain Python ints
-# cost a fraction of numpy's per-call overhead (measured: about 95 us a step with numpy).
+# The PersistentKV routes, costed in closed form from the step's lengths: the same counts
+# pkv.plan.schedule's bucket and workqueue schedules and pkv.plan.device_schedule's rule
+# produce (row-local bounds, so KV bytes read = useful bytes), without building the task
+# lists on the hot path. The Router runs them once per decode step for a batch of a few to
+# a few dozen rows, where plain Python ints cost a fraction of numpy's per-call overhead:
+# each count takes a list of ints in plain Python and an array in numpy, with equal results.
 
 
 def _lengths(seq_lens) -> list[int]:
     return seq_lens.tolist() if isinstance(seq_lens, np.ndarray) else [int(n) for n in seq_lens]
+
+
+def _total(lens) -> int:
+    """The step's tokens: `lens` a list of ints or an integer array."""
+    return int(lens.sum(dtype=np.int64)) if isinstance(lens, np.ndarray) else sum(lens)
 
 
 def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost:
@@ -338,32 +329,87 @@ def baseline_cost(route: str, shape: Shape, seq_lens, k: Constants) -> RouteCost
     return RouteCost(route, float(sum(lens) * shape.kv_bytes_per_token), ctas, 1, 0.0, len(lens))
 
 
+def bucket_counts(lens, policy: SplitPolicy, memo: dict | None = None) -> tuple[int, int, int, int]:
+    """(split tasks per KV head, launches, merged tasks per KV head, the longest task's tokens)
+    of bucket_schedule: one grid launch per distinct length, plus its merge where that length
+    splits. `lens` a list of ints (plain Python; `memo`, tile count -> splits, may be kept by
+    the caller across steps) or an integer array (numpy)."""
+    if isinstance(lens, np.ndarray):
+        return _bucket_counts_array(lens, policy)
+    memo = {} if memo is None else memo
+    tasks = launches = merged = longest_task = 0
+    seen = set()
+    for n in lens:
+        t = -(-n // TILE_TOKENS)                                       # num_tiles, inlined
+        s = memo.get(t)
+        if s is None:
+            s = memo[t] = policy.for_length(t * TILE_TOKENS)
+        if n not in seen:
+            seen.add(n)
+            launches += 2 if s > 1 else 1
+            longest_task = max(longest_task, min(-(-t // s) * TILE_TOKENS, n))   # task_tokens, inlined
+        tasks += s
+        if s > 1:
+            merged += s
+    return tasks, launches, merged, longest_task
+
+
+def _bucket_counts_array(arr: np.ndarray, policy: SplitPolicy) -> tuple[int, int, int, int]:
+    """bucket_counts of an integer array, vectorized (SplitPolicy.for_length on every row)."""
+    tiles = num_tiles(arr.astype(np.int64))
+    s = np.clip((tiles + (policy.min_tiles_per_split - 1)) // policy.min_tiles_per_split, 1, policy.splits)
+    tasks = int(s.sum())
+    singles = int(np.count_nonzero(s == 1))
+    ordered = np.sort(arr)
+    change = ordered[1:] != ordered[:-1]
+    distinct = int(np.count_nonzero(change)) + 1
+    # Distinct lengths whose bucket splits (s > 1): s is monotone in the length.
+    first_split = int(np.searchsorted(ordered, TILE_TOKENS * policy.min_tiles_per_split, side="right"))
+    if policy.splits > 1 and first_split < len(ordered):
+        split_distinct = int(np.count_nonzero(change[first_split:])) + 1
+    else:
+        split_distinct = 0
+    longest_task = int(np.minimum(-(-tiles // s) * TILE_TOKENS, arr).max())
+    return tasks, distinct + split_distinct, tasks - singles, longest_task
+
+
+def workqueue_counts(lens, policy: SplitPolicy) -> tuple[int, int, int, int]:
+    """(tasks per KV head, launches, merged tasks per KV head, the longest task's tokens) of
+    workqueue_schedule: every row cut into chunks sized by the longest row
+    (workqueue_row_splits), one launch plus one merge where any row splits. `lens` a list of
+    ints (plain Python) or an integer array (numpy)."""
+    splits = workqueue_row_splits(lens, policy)
+    if isinstance(lens, np.ndarray):
+        tiles = num_tiles(lens.astype(np.int64))
+        tasks, most = int(splits.sum()), int(splits.max())
+        longest_task = int(np.minimum(-(-tiles // splits) * TILE_TOKENS, lens).max())
+    else:
+        tasks, most = sum(splits), max(splits)
+        # task_tokens, inlined
+        longest_task = max([min(-(-(-(-n // TILE_TOKENS)) // s) * TILE_TOKENS, n) for n, s in zip(lens, splits)])
+    merging = most > 1
+    return tasks, 1 + merging, tasks if merging else 0, longest_task
+
+
+def _scheduled_cost(route: str, counts: tuple[int, int, int, int], kv_bytes: float, shape: Shape) -> RouteCost:
+    """The RouteCost of a host-scheduled route from its counts (bucket_counts, workqueue_counts)."""
+    tasks, launches, merged, task = counts
+    h = shape.num_kv_heads
+    return RouteCost(route, kv_bytes, float(tasks * h), launches, float(merged * h * slot_bytes(shape)),
+                     task_bytes=float(task * shape.kv_bytes_per_head_token))
+
+
 def bucket_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     """Exact length buckets: one grid launch per distinct length (+ its merge if split)."""
     lens = _lengths(seq_lens)
-    tasks = launches = merged_tasks = longest_task = 0
-    for length, rows in Counter(lens).items():
-        splits = policy.for_length(length)
-        bucket_tasks = rows * shape.num_kv_heads * splits
-        tasks += bucket_tasks
-        launches += 1 + (splits > 1)
-        merged_tasks += bucket_tasks if splits > 1 else 0
-        longest_task = max(longest_task, task_tokens(length, splits))
-    return RouteCost("bucket", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), launches,
-                     float(merged_tasks * slot_bytes(shape)),
-                     task_bytes=float(longest_task * shape.kv_bytes_per_head_token))
+    return _scheduled_cost("bucket", bucket_counts(lens, policy), float(sum(lens) * shape.kv_bytes_per_token), shape)
 
 
 def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
     """Compact workqueue: chunks sized by the longest row, one launch (+ one merge)."""
     lens = _lengths(seq_lens)
-    row_splits = workqueue_row_splits(lens, policy)
-    tasks = sum(row_splits) * shape.num_kv_heads
-    merging = max(row_splits) > 1
-    longest_task = max(task_tokens(n, s) for n, s in zip(lens, row_splits))
-    return RouteCost("workqueue", float(sum(lens) * shape.kv_bytes_per_token), float(tasks), 1 + merging,
-                     float(tasks * slot_bytes(shape)) if merging else 0.0,
-                     task_bytes=float(longest_task * shape.kv_bytes_per_head_token))
+    return _scheduled_cost("workqueue", workqueue_counts(lens, policy), float(sum(lens) * shape.kv_bytes_per_token),
+                           shape)
 
 
 def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
@@ -372,7 +418,7 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
     (pkv.plan.device_schedule: n CTAs take equal ranges of the step's units, a segment's
     tiles after its set-up units; a segment that a range boundary falls inside its tiles
     is cut, and each of its pieces leaves one partial state to merge). Equal to what
-    graph_pieces lists (tests/test_router_v4.py), without listing the pieces: plain ints for a list of
+    graph_pieces lists (tests/test_router_graph.py), without listing the pieces: plain ints for a list of
     up to SMALL_ROWS rows without set-up units (the router's misses), else O(n) numpy."""
     if piece_cost == 0 and isinstance(seq_lens, list) and len(seq_lens) <= SMALL_ROWS:
         return _graph_counts_small(seq_lens, num_kv_heads, num_ctas, min_tiles)
@@ -440,13 +486,16 @@ def _setup_only(bounds, units: int, ends, seg_units, setup, h: int) -> int:
 
 def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost: int = PIECE_COST) -> RouteCost:
     """pkv-graph on one step: all useful KV bytes in one launch over `ctas` CTAs, plus the
-    cut segments' partial states (merge bytes)."""
-    lens = _lengths(seq_lens)
-    n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles, piece_cost)
-    units = sum(num_tiles(x) for x in lens) * shape.num_kv_heads      # a CTA's range: its share of the units
+    cut segments' partial states (merge bytes). An integer array is counted in numpy, any
+    other sequence as a list of ints (graph_counts)."""
+    lens = seq_lens if isinstance(seq_lens, np.ndarray) else _lengths(seq_lens)
+    h = shape.num_kv_heads
+    n, states = graph_counts(lens, h, num_ctas, min_tiles, piece_cost)
+    tiles = num_tiles(lens.astype(np.int64)) if isinstance(lens, np.ndarray) else [num_tiles(x) for x in lens]
+    units = _total(tiles) * h                                          # a CTA's range: its share of the units
     task = -(-units // n) * TILE_TOKENS * shape.kv_bytes_per_head_token if n else 0
-    return RouteCost(GRAPH, float(sum(lens) * shape.kv_bytes_per_token), float(n), 1, float(states * slot_bytes(shape)),
-                     task_bytes=float(task))
+    return RouteCost(GRAPH, float(_total(lens) * shape.kv_bytes_per_token), float(n), 1,
+                     float(states * slot_bytes(shape)), task_bytes=float(task))
 
 
 def eligible(shape: Shape, seq_lens, k: Constants) -> bool:
@@ -500,9 +549,9 @@ class Router:
       reused (tests check it equals the uncached decision on recorded traces; a reused
       decision's estimate_s is that of its signature's first step);
     - on a miss (about one step in eight on the serving traces: the active set changed),
-      the exact decision from integer counts: plain Python ints up to SMALL rows (split
-      counts memoized per tile count), a handful of vectorized numpy ops above; the
-      route costs and estimates equal bucket_cost/workqueue_cost/baseline_cost's.
+      the exact decision from the routes' counts (bucket_counts, workqueue_counts,
+      graph_counts): plain Python ints up to SMALL rows (split counts memoized per tile
+      count), a handful of vectorized numpy ops above.
 
     `cache=False` gives the uncached decision (every step evaluated exactly). `graph` is
     the pkv-graph engine's (num_ctas, min_tiles[, piece_cost]) where it was built; it is a candidate only
@@ -522,8 +571,7 @@ class Router:
         self.objective = check_objective(objective)
         # A cut given without its piece_cost is the constants' (the cut their fit ran on).
         self.graph = None if graph is None or k.graph is None else (*graph, k.graph.piece_cost)[:3]
-        self.kvb, self.h, self.slot = shape.kv_bytes_per_token, shape.num_kv_heads, slot_bytes(shape)
-        self.head_kvb = shape.kv_bytes_per_head_token
+        self.kvb, self.h = shape.kv_bytes_per_token, shape.num_kv_heads
         self.base_cta = {b: k.baseline_ctas_per_head[b] for b in self.baselines}
         self.group_ok = bool(self.policies or self.graph) and shape.group in k.supported_groups
         self.cache = {} if cache else None
@@ -536,8 +584,8 @@ class Router:
 
     def decide(self, request_ids: np.ndarray, seq_lens: np.ndarray) -> Decision:
         active = len(seq_lens)
-        # A cache hit is a few dict operations; numpy's max() of a few rows was two thirds of
-        # it (1.5 of 2.2 us on this CPU), Python's max over the list a third of that.
+        # A cache hit is a few dict operations; numpy's max() of a few rows costs more than
+        # they do, Python's max over the list a fraction of it.
         longest = max(seq_lens.tolist()) if active <= self.FEW else int(seq_lens.max())
         gate = self.group_ok and longest >= self.k.min_context
         if self.cache is None:
@@ -566,23 +614,13 @@ class Router:
         base = [RouteCost(b, kv_bytes, active * self.h * self.base_cta[b], 1, 0.0, active) for b in self.baselines]
         cands = []
         if gate:
-            if small:
-                tiles = [-(-n // TILE_TOKENS) for n in lens]           # pkv.plan.schedule.num_tiles, inlined
-            else:
-                tiles = (seq_lens.astype(np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
-            longest_tiles = -(-longest // TILE_TOKENS)
+            arg = lens if small else seq_lens
             for kind, policy in self.policies.items():
-                if kind == "bucket":
-                    tasks, launches, merged, task = (self._bucket_small(lens, tiles, policy) if small
-                                                     else self._bucket_array(seq_lens, tiles, policy))
-                else:
-                    tasks, launches, merged, task = self._workqueue(lens if small else seq_lens, tiles, longest,
-                                                                    longest_tiles, policy, small)
-                cands.append(RouteCost(kind, kv_bytes, float(tasks * self.h), launches,
-                                       float(merged * self.h * self.slot), task_bytes=float(task * self.head_kvb)))
+                counts = (bucket_counts(arg, policy, self._splits_of(policy)) if kind == "bucket"
+                          else workqueue_counts(arg, policy))
+                cands.append(_scheduled_cost(kind, counts, kv_bytes, self.shape))
             if self.graph:
-                ctas, states = graph_counts(lens if small else seq_lens, self.h, *self.graph)
-                cands.append(RouteCost(GRAPH, kv_bytes, float(ctas), 1, float(states * self.slot)))
+                cands.append(graph_cost(self.shape, arg, *self.graph))
         return choose(base, cands, active, self.k, self.objective)
 
     def _splits_of(self, policy: SplitPolicy) -> dict:
@@ -591,56 +629,3 @@ class Router:
         if memo is None:
             memo = self._split_memo[policy] = {}
         return memo
-
-    def _bucket_small(self, lens: list, tiles: list, policy: SplitPolicy):
-        """(split tasks per KV head, launches, merged tasks per KV head, the longest task's
-        tokens) of bucket_schedule."""
-        memo = self._splits_of(policy)
-        tasks = launches = merged = longest_task = 0
-        seen = set()
-        for n, t in zip(lens, tiles):
-            s = memo.get(t)
-            if s is None:
-                s = memo[t] = policy.for_length(t * TILE_TOKENS)
-            if n not in seen:
-                seen.add(n)
-                launches += 2 if s > 1 else 1
-                longest_task = max(longest_task, min(-(-t // s) * TILE_TOKENS, n))   # task_tokens, inlined
-            tasks += s
-            if s > 1:
-                merged += s
-        return tasks, launches, merged, longest_task
-
-    @staticmethod
-    def _bucket_array(arr: np.ndarray, tiles: np.ndarray, policy: SplitPolicy):
-        s = np.minimum((tiles + (policy.min_tiles_per_split - 1)) // policy.min_tiles_per_split, policy.splits)
-        tasks = int(s.sum())
-        singles = int(np.count_nonzero(s == 1))
-        ordered = np.sort(arr)
-        change = ordered[1:] != ordered[:-1]
-        distinct = int(np.count_nonzero(change)) + 1
-        # Distinct lengths whose bucket splits (s > 1): s is monotone in the length.
-        first_split = int(np.searchsorted(ordered, TILE_TOKENS * policy.min_tiles_per_split, side="right"))
-        if policy.splits > 1 and first_split < len(ordered):
-            split_distinct = int(np.count_nonzero(change[first_split:])) + 1
-        else:
-            split_distinct = 0
-        longest_task = int(np.minimum(-(-tiles // s) * TILE_TOKENS, arr).max())
-        return tasks, distinct + split_distinct, tasks - singles, longest_task
-
-    @staticmethod
-    def _workqueue(lens, tiles, longest: int, longest_tiles: int, policy: SplitPolicy, small: bool):
-        """(tasks per KV head, launches, merged tasks per KV head, the longest task's tokens) of
-        workqueue_schedule."""
-        chunk = workqueue_chunk(longest, policy)
-        if small:
-            splits = [-(-t // chunk) for t in tiles]
-            tasks = sum(splits)
-            # task_tokens, inlined (the router's plain-int path)
-            longest_task = max([min(-(-t // s) * TILE_TOKENS, n) for n, t, s in zip(lens, tiles, splits)])
-        else:
-            splits = (tiles + (chunk - 1)) // chunk
-            tasks = int(splits.sum())
-            longest_task = int(np.minimum(-(-tiles // splits) * TILE_TOKENS, lens).max())
-        merging = -(-longest_tiles // chunk) > 1       # the longest row has the most splits
-        return tasks, 1 + merging, tasks if merging else 0, longest_task

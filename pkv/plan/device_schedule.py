@@ -1,4 +1,4 @@
-"""The v4 kernel's device-side split rule, in Python (what every CTA of csrc/graph_decode.cu computes).
+"""pkv-graph's device-side split rule, in Python (what every CTA of csrc/graph_decode.cu computes).
 
 A step's work is H * sum_r tiles(r) units (one unit = one TILE_TOKENS tile of one KV
 head); segment (r, h) holds units [H * exc_r + h * tiles_r, + tiles_r) where exc_r sums
@@ -8,7 +8,7 @@ segment inside one CTA is written directly; a segment cut across CTAs j0..j1 lea
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
 last piece otherwise) and the last CTA to finish merges them.
 
-v5.9 (`piece_cost` P > 0; P = 8 the default from v5.12, measured in the model step): each
+Set-up units (`piece_cost` P > 0; PIECE_COST the default): each
 piece also costs a set-up that its tiles do not count (block-table ids, the prologue's
 copies, the first tile's latency, the drain), so a CTA over many short segments did more
 than one over one long segment. Where
@@ -16,14 +16,14 @@ a row's segments are shorter than a CTA's range (0 < tiles(r) and tiles(r) * n <
 as above), each of them holds P set-up units in front of its tiles: the cut then shares
 tiles plus set-ups equally. n stays the tiles' (`active_ctas`); a piece of set-up units only
 is no piece; a segment's first CTA j0 is the one holding its first tile. P = 0 is the cut
-before, unit for unit (`Cut`).
+of the tiles alone, unit for unit (`Cut`).
 
-v5 merges cut segments in a second kernel (a programmatic dependent of the decode) that
-repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
+Merge mode 3 merges cut segments in a second kernel (a programmatic dependent of the decode)
+that repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
 j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
-segment's float4 columns (`merge_jobs`). v5.7 (merge = 1) leaves a segment of at most
+segment's float4 columns (`merge_jobs`). Merge mode 1 leaves a segment of at most
 CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
-v5.8 (merge = 4, the default since v5.8.1 was measured) launches no merge kernel: a longer
+Merge mode 4 (the default, GRAPH_MERGE) launches no merge kernel: a longer
 segment is merged by the last MERGE_SLICES of its CTAs to finish, one equal slice of its
 columns each (the earlier ones wait on the segment's counter for the rest; `grid_merge_roles`).
 
@@ -42,11 +42,11 @@ import numpy as np
 from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
-GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (docs/perf-notes.md, v5.9 A/B; 4 in v5, 8 in v4)
-GRAPH_MERGE = 4         # default merge mode (pkv.engines.graph.MERGE_MODES; docs/perf-notes.md, v5.9 A/B)
+GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (its A/B: docs/perf-notes.md)
+GRAPH_MERGE = 4         # default merge mode (pkv.engines.graph.MERGE_MODES; its A/B: docs/perf-notes.md)
 CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
 MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
-PIECE_COST = 8          # default set-up units in front of a short segment (v5.9; v5.12: 8, docs/perf-notes.md)
+PIECE_COST = 8          # default set-up units in front of a short segment (its A/B: docs/perf-notes.md)
 MAX_PIECE_COST = 64     # kMaxPieceCost
 MAX_COUNTER_STRIDE = 32  # kMaxCounterStride: merge counters allocated per (row, KV head), in ints
 MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
@@ -54,7 +54,7 @@ MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
 
 @dataclass(frozen=True)
 class GridMerge:
-    """merge = 4's roles for one segment of more than CTA_MERGE_STATES states (v5.8.1)."""
+    """merge = 4's roles for one segment of more than CTA_MERGE_STATES states."""
     row: int
     kv_head: int
     ctas: tuple[int, ...]    # j0..j1, the CTAs holding its states
@@ -152,7 +152,7 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
 
 
 def setup_units(tiles: np.ndarray, n: int, work: int, piece_cost: int) -> np.ndarray:
-    """Set-up units in front of each of a row's segments (v5.9): piece_cost where the row's
+    """Set-up units in front of each of a row's segments: piece_cost where the row's
     segments are shorter than a CTA's range (0 < tiles and tiles * n < work, the step's H *
     sum(tiles) over n active CTAs), else 0."""
     return np.where((tiles > 0) & (tiles * n < work), piece_cost, 0).astype(np.int64)
@@ -163,7 +163,7 @@ class Cut:
     """One step's cut as every CTA computes it: rows' tiles and set-up units, their inclusive
     sum over rows, the step's units (tiles and set-ups) and its active CTAs."""
     tiles: np.ndarray    # tiles per row
-    setup: np.ndarray    # set-up units in front of each of the row's segments (v5.9)
+    setup: np.ndarray    # set-up units in front of each of the row's segments
     inc: np.ndarray      # inclusive sum over rows of tiles + setup
     h: int
     units: int           # h * inc[-1]: what the CTA ranges share
@@ -211,7 +211,7 @@ class Cut:
 
 def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int, min_tiles: int = GRAPH_MIN_TILES,
                cta_merge_states: int = 0, piece_cost: int = PIECE_COST) -> list[MergeJob]:
-    """The v5 merge kernel's jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
+    """Merge mode 3's merge-kernel jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
     (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out.
     Segments of at most `cta_merge_states` states are their last CTA's to merge (merge = 1:
     CTA_MERGE_STATES; merge = 3: 0), not the kernel's."""

@@ -7,8 +7,8 @@ Two outputs, from the Parquet under RESULTS_DIR/raw and the frozen constants:
   the adaptive engine's wall and device throughput against the best fixed route in
   hindsight (the route among the router's candidates with the highest throughput on that
   trace, chosen separately for wall and for device time), the routes it took, and its
-  decision time per step (`route_s`, where recorded). Issue 13's bar: wall >= 0.97 x the
-  best fixed route; device time within 5 % of the best candidate's.
+  decision time per step (`route_s`, where recorded). The bar: wall >= WALL_BAR x the
+  best fixed route; device ratio >= DEVICE_BAR.
 - figures/router_accuracy.png — the cost model's estimate T_r against the measured wall
   time of the step, one panel per route: every fixed-route row of the calibration sweep
   and the held-out serving traces (estimate recomputed from the row's counters and the
@@ -17,10 +17,10 @@ Two outputs, from the Parquet under RESULTS_DIR/raw and the frozen constants:
 Estimating a FlashInfer row needs the shape's KV heads and bytes per token, which the
 Parquet does not carry: they come from RESULTS_DIR/config.json (the frozen config).
 
-Router v4: every adaptive engine of a trace gets its own row (`adaptive`, and e.g.
+Every adaptive engine of a trace gets its own row (`adaptive`, and e.g.
 `adaptive:objective=overlapped` labelled "trace · objective=overlapped", with a router
 column only then), and pkv-graph is a candidate route where the constants carry its fit.
-pkv-graph rows are estimated from their counters (recorded since Router v4); the figure's
+pkv-graph rows are estimated from their counters (rows without counters are left out); the figure's
 router estimates are the serial objective's (an overlapped estimate is device time only,
 not comparable with the wall time plotted).
 """
@@ -49,8 +49,8 @@ from pkv.report.ratios import modal_route, num, objective, routers, trace_label,
 from pkv.report.load import load  # noqa: E402
 
 WALL_BAR, DEVICE_BAR = 0.97, 0.95
-OVERLAPPED_BAR = 0.97      # issue 23: the overlapped objective's device ratio (its wall ratio has no bar)
-FLASHINFER_BAR = 0.98      # issue 23: and its device throughput over FlashInfer's faster variant
+OVERLAPPED_BAR = 0.97      # the overlapped objective's device ratio (its wall ratio has no bar)
+FLASHINFER_BAR = 0.98      # and its device throughput over FlashInfer's faster variant
 
 
 def offered(k: Constants) -> dict[str, str]:
@@ -130,7 +130,7 @@ def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False, sourc
         "Per serving trace and seed: decode-token throughput (Σ active / Σ time) of `adaptive` over that of the "
         "best fixed candidate route on the same trace, chosen in hindsight separately for wall time and for device "
         "time (CUDA-graph replay; CUDA events where no replay). Candidates: the router's FlashInfer baselines and "
-        f"{pkv}. Bar (issue 13): wall ratio ≥ {WALL_BAR}, device ratio ≥ "
+        f"{pkv}. Bar: wall ratio ≥ {WALL_BAR}, device ratio ≥ "
         f"{DEVICE_BAR}. Router µs: host time of the per-step decision (`route_s`; – where not recorded).",
         "",
     ]
@@ -181,13 +181,13 @@ def estimates(frame: pd.DataFrame, k: Constants, kv_bytes_per_token: int, num_kv
     closed-form counts equal the schedule's counters) and the constants at their point."""
     routes = offered(k)
     rows = frame[frame["engine"].isin([*k.baseline_ctas_per_head, *routes])]
-    rows = rows[~rows["engine"].isin(list(routes)) | rows["decode_ctas"].notna()]   # pkv-graph rows before v4: no counters
+    rows = rows[~rows["engine"].isin(list(routes)) | rows["decode_ctas"].notna()]   # route rows need counters
     est = []
     for r in rows.itertuples():
         point = point_key(r.family, int(r.max_active))
         kp = k.at(point) if point in k.operating_points else k
         if r.engine in routes:
-            task = getattr(r, "task_kv_bytes", 0.0)          # rows before Router v4.4 have no such counter
+            task = getattr(r, "task_kv_bytes", 0.0)          # rows without the counter: no such term
             cost = RouteCost(routes[r.engine], float(r.useful_kv_bytes), float(r.decode_ctas), int(r.launches),
                              float(r.merge_bytes), task_bytes=0.0 if pd.isna(task) else float(task))
         else:
@@ -277,7 +277,7 @@ def regret_md(root: Path, constants: Path | None = None) -> str:
 def margin_sentence(constants: dict) -> str:
     """Where the overlapped objective's margin came from: fitted at calibration
     (pkv.measure.overlapped_margin), the config's, or the serial margins; and, where the
-    constants carry them (Router v4.3), the span of the points' device scales."""
+    constants carry them, the span of the points' device scales."""
     return _margin_source(constants) + _scale_sentence(constants)
 
 
@@ -297,7 +297,7 @@ def _scale_sentence(constants: dict) -> str:
     if not scales:
         return ""
     return (f" Each route's device estimate at a serving point is scaled by its measured / estimated time on the "
-            f"calibration seed {constants.get('calibration_seed')} ({min(scales):.3f}-{max(scales):.3f}; Router v4.3).")
+            f"calibration seed {constants.get('calibration_seed')} ({min(scales):.3f}-{max(scales):.3f}).")
 
 
 def accuracy_png(root: Path, constants: Path | None = None) -> bytes:

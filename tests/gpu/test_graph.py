@@ -1,4 +1,4 @@
-"""pkv-graph (v4 kernel, splits decided on the GPU) against the FP32 reference (needs a GPU).
+"""pkv-graph (splits decided on the GPU) against the FP32 reference (needs a GPU).
 
 Fresh random K, V, Q for every case; outputs and the partial workspace are poisoned with
 NaN first; block-table rows are reached through shuffled request ids. The replay tests
@@ -89,8 +89,9 @@ def test_cut_options(ctas_per_sm, min_tiles):
 @pytest.mark.parametrize("min_tiles", [1, 4, 8])
 @pytest.mark.parametrize("group,head_dim", [(16, 128), (1, 64), (5, 256)])
 def test_merge_paths(merge, min_tiles, group, head_dim):
-    """v5.7's split of the merges (merge=1), v4's last-CTA merge (0), v5's PDL merge kernel (3)
-    and v5.8's merge by a segment's last CTAs in the decode grid (4) over cuts of 2 to
+    """Every merge mode (pkv.engines.graph.MERGE_MODES): short segments by their last CTA and
+    longer ones by the merge kernel (1), the last CTA always (0), the PDL merge kernel always (3)
+    and a segment's last CTAs in the decode grid (4), over cuts of 2 to
     hundreds of states per segment, slices wider than a merge CTA (G 16) and narrower than
     one column per CTA (G 1, d 64)."""
     seed = seed_of("graph-merge", merge, min_tiles, group, head_dim)
@@ -106,7 +107,7 @@ def test_merge_paths(merge, min_tiles, group, head_dim):
 @pytest.mark.parametrize("lengths", ["many-short", "one-long", "bimodal", "mixed"])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 256)])
 def test_piece_cost(piece_cost, merge, lengths, group, head_dim):
-    """v5.9's cut with set-up units in front of short segments (docs/perf-notes.md): ranges that
+    """The cut with set-up units in front of short segments (docs/perf-notes.md): ranges that
     start, end or lie in set-up units, segments whose first CTA is not the one holding their
     first unit, merged in the CTA, by the merge kernel and in the grid."""
     seed = seed_of("graph-piece-cost", piece_cost, merge, lengths, group, head_dim)
@@ -133,9 +134,9 @@ def test_in_grid_merge_counter_options(counter_stride, spin_ns):
     assert int(engine.counters.abs().sum()) == 0
 
 
-# The compute-sanitizer grid (docs/perf-notes.md, v5): every pkv-graph path (16-bit d 64/128/256,
+# The compute-sanitizer grid (docs/perf-notes.md): every pkv-graph path (16-bit d 64/128/256,
 # FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0, 3 and 4, the
-# v5.9 cut's set-up units under merge 1 and 4) on a
+# cut's set-up units under merge 1 and 4) on a
 # grid of 8 SMs' worth of CTAs; run with
 #   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
 #     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_graph.py -k sanitizer_grid

@@ -36,7 +36,7 @@ RAW = yaml.safe_load((REPO / "config.yaml").read_text())
 ENGINES = ["pkv-graph", "flashinfer-graph", "flashinfer-eager"]
 
 
-def plan(shape: runners.ModelShape, kv_dtypes, engines=ENGINES, constants=None) -> mp.Plan:
+def plan(shape: runners.ModelShape, kv_dtypes, engines=ENGINES, constants=None) -> mp.ModelStepPlan:
     raw = {**RAW, "model_step": {"buckets": [1, 8, 32], "steps": 3, "engines": engines, "kv_dtypes": kv_dtypes}}
     cfg = Config.from_dict(effective(raw, "paper"))
     seed = cfg.seeds.heldout[0]

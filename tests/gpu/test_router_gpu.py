@@ -1,4 +1,4 @@
-"""Router v4 on the GPU (needs a CUDA device; not run in CPU CI): `adaptive` routes a step
+"""The router on the GPU (needs a CUDA device; not run in CPU CI): `adaptive` routes a step
 to pkv-graph's kernel with constants that carry its fit, the output matches the FP32
 reference, the plan's counters are the device rule's, and inside a CUDA-graph bucket a
 graph of run() captured once replays every later step the router sends to pkv-graph."""

@@ -1,4 +1,4 @@
-"""Router v4 (issue 23, item 1) on the CPU: pkv-graph as a route of `adaptive`, costed by its
+"""pkv-graph as a route of `adaptive`, on the CPU, costed by its
 own fit (GraphFit) against pkv.plan.device_schedule's rule; the fit; the objective; old
 constants without the fit; the spec option; the report's rows for several routers."""
 
@@ -36,12 +36,12 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "calibration" / "constants.json"
 CALIBRATION = ROOT / "results" / "raw" / "calibrate" / "calibration.parquet"
 SHAPE = Shape()
-# H200-like: v4.3's B1 fit (11.4 us + bytes / 4.27 TB/s), merge states at the copy bandwidth.
+# An H200-like pkv-graph fit (a fixed latency + bytes at a few TB/s), merge states at the copy bandwidth.
 FIT = GraphFit(11.4e-6, 1 / 4.27e12, 1 / 4.16e12, 264, 4)
 
 
 def _without_graph(constants: dict) -> dict:
-    """The committed constants as a calibration before router v4 wrote them: no pkv-graph fit."""
+    """The committed constants without a pkv-graph fit (as a calibration without pkv-graph rows writes them)."""
     d = json.loads(json.dumps(constants))
     d.pop("graph", None)
     d["host_s"].pop("graph", None)
@@ -133,7 +133,7 @@ def test_graph_rows_join_the_sweep_without_moving_the_other_fits():
     points and C_min / lambda as they were; fit_constants adds the graph fit and H_graph."""
     committed = _without_graph(json.loads(COMMITTED.read_text()))
     cal = pd.read_parquet(CALIBRATION)
-    cal = cal[(cal["engine"] != "pkv-graph") & (cal["split"] != 0)]       # the sweep before router v4
+    cal = cal[(cal["engine"] != "pkv-graph") & (cal["split"] != 0)]       # the sweep without pkv-graph's run
     cfg = load_config(ROOT / "results" / "config.json")
     shape = shape_of(cfg)
     graph = _graph_rows(FIT, n=64, shape=shape).assign(family="bimodal", max_active=8)
@@ -190,11 +190,11 @@ def test_old_constants_have_no_graph_route_and_route_as_before():
         point = point_key(p["family"], p["max_active"])
         kp = k.at(point)
         policies = {kind: SplitPolicy(kp.split(point, kind), kp.min_tiles_per_split) for kind in ("bucket", "workqueue")}
-        v3 = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False)
-        v4 = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False, graph=(264, 4))
-        assert v4.graph is None
-        for s in steps_of(synthetic_trace(cfg, p["family"], 20260623), p["max_active"], 64):
-            a, b = v3.decide(s.request_ids, s.seq_lens), v4.decide(s.request_ids, s.seq_lens)
+        plain = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False)
+        offered = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False, graph=(264, 4))
+        assert offered.graph is None
+        for s in steps_of(synthetic_trace(cfg, p["family"], cfg["seeds"]["heldout"][0]), p["max_active"], 64):
+            a, b = plain.decide(s.request_ids, s.seq_lens), offered.decide(s.request_ids, s.seq_lens)
             assert (a.route, a.estimates) == (b.route, b.estimates)
             checked += 1
     assert checked > 300
@@ -271,7 +271,8 @@ def test_cached_decision_equals_the_uncached_one_with_the_graph_route(capsys):
             point = point_key(p["family"], p["max_active"])
             k = k0.at(point)
             policies = {kind: SplitPolicy(k.split(point, kind), k.min_tiles_per_split) for kind in ("bucket", "workqueue")}
-            for seed in (20260622, 20260623, 20260627):
+            seeds = cfg["seeds"]
+            for seed in (seeds["calibration"], seeds["heldout"][0], seeds["heldout"][-1]):
                 cached = Router(shape, k, list(k.baseline_ctas_per_head), policies, objective=objective, graph=(264, 4))
                 uncached = cached.uncached()
                 for s in steps_of(synthetic_trace(cfg, p["family"], seed), p["max_active"], 64):
@@ -285,7 +286,7 @@ def test_cached_decision_equals_the_uncached_one_with_the_graph_route(capsys):
                     checked += 1
     assert checked > 2000 and GRAPH in taken
     with capsys.disabled():   # reported, not asserted: a CPU test's timing says nothing of the H200 host
-        print(f"\nrouter v4 decision, cached: median {1e6 * statistics.median(times):.1f} us, "
+        print(f"\nrouter decision with the graph route, cached: median {1e6 * statistics.median(times):.1f} us, "
               f"p90 {1e6 * float(np.percentile(times, 90)):.1f} us over {len(times)} steps; routes {sorted(taken)}")
 
 

@@ -1,0 +1,89 @@
+"""No history in the code: every .py file under pkv/ and tests/ says what the code does today,
+never which version, issue or commit it came from (history lives in git, in results/ and in
+the dated log under docs/).
+
+What counts, and what is left alone (false positives a plain grep would raise):
+- a version tag: `v` and digits, dotted or not, as a word of its own ("v4", "v5.12", "Router
+  v4.3"). `kv4` or `v4_x` are not words of their own; "V100" and "H100" start with another letter.
+- an issue tag: "issue 23", "Issue #13", "issues 12, 23".
+- a commit hash: a word of 7 to 40 hex digits holding both a digit and a letter a-f. Numbers,
+  seeds and dates are digits only (20260622, 1.25, 2023-11-16); words such as "deadbeef" or
+  "facade" are letters only; a sha256 computed in code is 64 digits long, longer than any
+  commit name, and a hex constant carries its 0x prefix (0x1f2e3d4c is not a word of hex digits).
+
+ALLOWED names the few strings that match and are not history (a file name under test, the
+name of a committed results file); each is taken out of its line before the line is read.
+This file itself is not read: its examples are the patterns' own test cases.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+VERSION = re.compile(r"\bv\d+(?:\.\d+)*\b")
+ISSUE = re.compile(r"\b[Ii]ssues? ?#?\d+")
+COMMIT = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+PATTERNS = (VERSION, ISSUE, COMMIT)
+
+ALLOWED = {
+    # An external trace's file name and the identity derived from it: test data, not a tag.
+    "tests/test_trace_files.py": ("Code Trace (v2)", "Code-Trace-v2"),
+    # The committed table and raw file of `pkv bench splits` (results/tables/kernels-v3.md):
+    # renaming them is a change of the pipeline's outputs, not of this file.
+    "pkv/bench/splits.py": ("kernels-v3", "v3-kernels"),
+}
+
+# Files owned by other helpers this round, whose tags their own branches take out: each must
+# still hold one (else it leaves this list), and none may gain one outside it.
+PENDING = {
+    "pkv/cli/bench.py", "pkv/cli/pipeline.py", "pkv/engines/table.py", "pkv/report/host.py",
+    "pkv/report/kernels.py", "pkv/report/model.py", "pkv/report/tables.py",
+}
+
+
+def tags(text: str, allowed: tuple[str, ...] = ()) -> list[tuple[int, str]]:
+    """(line number, match) of every version, issue or commit tag in `text`."""
+    found = []
+    for number, line in enumerate(text.splitlines(), 1):
+        for ok in allowed:
+            line = line.replace(ok, "")
+        found += [(number, m.group(0)) for pattern in PATTERNS for m in pattern.finditer(line)]
+    return found
+
+
+def sources() -> list[Path]:
+    me = Path(__file__).resolve()
+    return sorted(p for d in ("pkv", "tests") for p in (ROOT / d).rglob("*.py") if p.resolve() != me)
+
+
+@pytest.mark.parametrize("text,want", [
+    ("Router v4.3 costs it", ["v4.3"]), ("the v5 merge kernel", ["v5"]), ("(v5.12; default)", ["v5.12"]),
+    ("see issue 23", ["issue 23"]), ("Issue #13's bar", ["Issue #13"]), ("at c8880c7", ["c8880c7"]),
+    ("commit 0a3a33c7e1f2", ["0a3a33c7e1f2"]),
+])
+def test_the_patterns_find_each_kind_of_tag(text, want):
+    assert [m for _, m in tags(text)] == want
+
+
+@pytest.mark.parametrize("text", [
+    "seed 20260622", "ratio 1.25 on 2023-11-16 18:15:46.6805900", "kv4 = v4_x + H100 + V100",
+    "0x1f2e3d4c", "digest " + "0123456789abcdef" * 4, "deadbeef facade", "e4m3 at 3e-12", "--seed 20260623",
+])
+def test_the_patterns_leave_numbers_hex_constants_and_digests_alone(text):
+    assert tags(text) == []
+
+
+def test_no_version_issue_or_commit_tag_in_pkv_or_tests():
+    found, pending_clean = [], []
+    for path in sources():
+        rel = path.relative_to(ROOT).as_posix()
+        hits = tags(path.read_text(), ALLOWED.get(rel, ()))
+        if rel in PENDING:
+            pending_clean += [] if hits else [rel]
+            continue
+        found += [f"{rel}:{n}: {m}" for n, m in hits]
+    assert not found, "history in the code (it belongs in git and docs/):\n" + "\n".join(found)
+    assert not pending_clean, f"no tag left in {pending_clean}: take them out of PENDING"
