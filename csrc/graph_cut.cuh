@@ -14,8 +14,7 @@ namespace {
 // consecutive rows whose units it holds in units (tiles, or tiles and set-up units: scan_units):
 // inc[i] = the thread's inclusive sum up to its row i, *before = the units of every earlier
 // thread's rows, *total = all units, *nonzero = the rows with units. One __syncthreads (s_warp,
-// s_nzw: kThreadsT / 32 each). The decode and the merge kernel both cut from it, so they agree
-// by construction.
+// s_nzw: kThreadsT / 32 each). Every CTA cuts from it, so they agree by construction.
 template <int kThreadsT, int kPer>
 __device__ __forceinline__ void scan_rows(const int (&units)[kPer], int (&inc)[kPer], int* s_warp, int* s_nzw,
                                           int* before, int* total, int* nonzero) {
@@ -50,9 +49,9 @@ __device__ __forceinline__ void scan_rows(const int (&units)[kPer], int (&inc)[k
 }
 
 // floor(x / d) for x >= 0, d > 0: an unsigned 32-bit division whenever both fit (every step
-// of up to ~16M work units), else the 64-bit one. (PKV_TRACE put the cut's emulated 64-bit
-// divisions, ~300 clocks each in a dependent chain, before the first block-table load; a
-// double quotient was slower still: docs/perf-notes.md, v5.)
+// of up to ~16M work units), else the 64-bit one: the cut's divisions form a dependent chain
+// before the first block-table load, and an emulated 64-bit division is a few hundred clocks
+// (a double quotient is slower still).
 __device__ __forceinline__ int64_t floor_div(int64_t x, int64_t d) {
   if (x <= 0xffffffffLL && d <= 0xffffffffLL) return static_cast<uint32_t>(x) / static_cast<uint32_t>(d);
   return x / d;
@@ -87,10 +86,10 @@ __device__ __forceinline__ int tiles_of(int len) { return (len + kTile - 1) / kT
 template <int kPer>
 __device__ __forceinline__ int tiles_at(const int (&inc)[kPer], int i) { return inc[i] - (i > 0 ? inc[i - 1] : 0); }
 
-// v5.9's set-up units of one row (pkv.plan.device_schedule.setup_units): `cost` in front of each
+// The set-up units of one row (pkv.plan.device_schedule.setup_units): `cost` in front of each
 // segment of a row whose segments are shorter than a CTA's range (0 < tiles and tiles * n < W, W
 // the tiles of every KV head, i.e. tiles < below = floor((W - 1) / n) + 1); cost = 0 when the step
-// has none (scan_units). Two ints, not a per-row array: the d 128 merge kernel's register bound.
+// has none (scan_units). Two ints, not a per-row array (registers).
 struct SetupUnits {
   int cost, below;
   __device__ __forceinline__ int of_tiles(int t) const { return t > 0 && t < below ? cost : 0; }
@@ -98,15 +97,14 @@ struct SetupUnits {
 };
 
 // The step's scan (pkv.plan.device_schedule.Cut): rows' tiles scanned (scan_rows) into inc,
-// *before and *total, and *ctas = active_ctas of them. With piece_cost > 0 (v5.9), the cut's
-// units also hold set-up units (*setup): row i's inclusive units are then inc[i] + the thread's
+// *before and *total, and *ctas = active_ctas of them. With piece_cost > 0, the cut's units
+// also hold set-up units (*setup): row i's inclusive units are then inc[i] + the thread's
 // set-up units up to its row i (the caller adds them, setup->of per row: no second per-row
-// array, which spilled the d 128 merge kernel at its 56 registers), *before counts every earlier
-// thread's, *vtotal all of them (without set-up units, *vtotal = *total). v5.12: the set-up
-// units are a second scan of one count a thread, after the tiles' (their rule needs n, n needs
-// the tiles' total), and only where a row qualifies: a block-wide vote (one barrier) skips it
-// otherwise, so a step whose segments all span a range (every B1 step) pays one barrier more
-// than piece_cost = 0, not v5.9's extra reduction.
+// array), *before counts every earlier thread's, *vtotal all of them (without set-up units,
+// *vtotal = *total). The set-up units are a second scan of one count a thread, after the
+// tiles' (their rule needs n, n needs the tiles' total), and only where a row qualifies: a
+// block-wide vote (one barrier) skips it otherwise, so a step whose segments all span a range
+// (every B1 step) pays one barrier more than piece_cost = 0.
 template <int kThreadsT, int kPer>
 __device__ __forceinline__ void scan_units(const GraphDecodeParams& p, const int (&len)[kPer], int (&inc)[kPer],
                                            int* s_warp, int* s_nzw, int* before, int* total, int* vtotal,
@@ -169,7 +167,7 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
   int before, total;
   SetupUnits setup;
   scan_units<kThreadsT>(p, len, inc, s_warp, s_nzw, &before, &total, vtotal, nonzero, ctas, &setup);
-  int run = before;   // the set-up units before row r, and from v5.12 those of this thread's rows up to it
+  int run = before;   // the set-up units of earlier threads' rows, then of this thread's rows up to row r
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int r = tid * kPer + i;
@@ -187,8 +185,8 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
 
 // The piece of a CTA's range that starts at unit u (< hi): its row r (rows before `from` end at
 // or before u), KV head h, segment [seg_begin, seg_end), end (the segment's or the range's),
-// set-up units and tiles [tile_lo, tile_hi) (v5.9: after the set-up units; tile_hi <= 0: set-up
-// units only, no piece).
+// set-up units and tiles [tile_lo, tile_hi) (after the set-up units; tile_hi <= 0: set-up units
+// only, no piece).
 struct Piece {
   int r, h, setup, tile_lo, tile_hi;
   int64_t seg_begin, seg_end, end;

@@ -15,11 +15,7 @@ cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
   static const cudaError_t attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
   if (attr != cudaSuccess) return attr;
   kernel<<<p.num_ctas, kThreads, smem, stream>>>(p);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.merge == 0 || p.merge == 4) return err;  // no merge kernel
-  // The merge as a programmatic dependent: launched once every decode CTA has started (it
-  // overlaps the decode), released by griddepcontrol.wait when the decode grid completes.
-  return launch_dependent_merge(graph_merge_kernel<T, D>, dim3(p.num_ctas), dim3(kMergeThreads), stream, p);
+  return cudaGetLastError();
 }
 
 template <typename T, int D, bool kFp8>
@@ -57,9 +53,8 @@ int graph_decode_ctas_per_sm(int head_dim) {
 cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
                                 cudaStream_t stream) {
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
-      p.num_ctas >= kLate - kMergeSlices || p.min_tiles < 1 || p.merge < 0 || p.merge > 4 ||
-      p.piece_cost < 0 || p.piece_cost > kMaxPieceCost || p.counter_stride < 1 ||
-      p.counter_stride > kMaxCounterStride || p.spin_ns < 0 || p.spin_ns > kMaxSpinNs ||
+      p.num_ctas >= kLate - kMergeSlices || p.min_tiles < 1 || p.piece_cost < 0 || p.piece_cost > kMaxPieceCost ||
+      p.counter_stride < 1 || p.counter_stride > kMaxCounterStride || p.spin_ns < 0 || p.spin_ns > kMaxSpinNs ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)

@@ -20,15 +20,11 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   __shared__ int s_warp[kWarps];
   __shared__ int s_nzw[kWarps];
   __shared__ int s_last;
-  unsigned long long* const rec = trace_begin(0);
-  // v5: let the merge kernel launch now (it scans the lengths while this grid runs and
-  // waits for this grid's completion before it reads a state). merge = 2 (an ablation):
-  // no early trigger, the merge grid launches as the decode CTAs exit.
-  if (p.merge == 1 || p.merge == 3) asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  unsigned long long* const rec = trace_begin();
   const int tid = threadIdx.x;
   const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
 
-  // 1. The step's work: tiles per row (and set-up units, v5.9), scanned.
+  // 1. The step's work: tiles per row (and set-up units), scanned.
   int nonzero, vtotal, n;
   const int total = scan_step<kThreads>(p, s_inc, s_len, s_req, s_warp, s_nzw, &nonzero, &vtotal, &n, rec);
   PKV_STAMP(rec, 2);
@@ -46,9 +42,9 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   auto cta_of = [&](int64_t u) { return static_cast<int>(floor_div((u + 1) * n - 1, W)); };  // CTA whose range holds u
 
   int r = row_of(s_inc, R, H, lo);
-  // v5.4: the block-table line of this CTA's first pages is asked into L2 before the piece's
-  // set-up (in-order work that came before its page-id loads: ~1.4 us at B1 1K, docs/perf-notes.md),
-  // so those loads find it there. Row r has tiles (row_of skips empty rows); one line holds 32 ids.
+  // The block-table line of this CTA's first pages is asked into L2 before the piece's set-up
+  // (in-order work that would otherwise come before its page-id loads), so those loads find it
+  // there. Row r has tiles (row_of skips empty rows); one line holds 32 ids.
   if (tid == 0) {
     const Piece first = piece_at(s_inc, s_len, H, lo, hi, r);
     const int t0 = (first.tile_lo > 0 ? first.tile_lo : 0) * kTile;
@@ -120,130 +116,45 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
       });
       if (pieces == 1) PKV_STAMP(rec, 7);
       const int S = j1 - j0 + 1;
-      if (merged_in_grid(S, p.merge)) {
-        // Publish the state, then count in. K = 1 (at most kCtaMergeStates states): the last CTA
-        // to count in merges every column, waiting for nobody. Else (merge = 4, `spread`): the e
-        // CTAs for which this piece ends their range take tickets t (count in with 1); CTA j1,
-        // when pieces follow in its range, counts in with kLate and goes on at once, since a wait
-        // there would hold its next pieces and, through them, the next segments' mergers: one
-        // chain through the grid (the reference run at 404ef14: 1.7 ms against 0.14 at B4 33K,
-        // docs/perf-notes.md, v5.8). The last K of the e merge slice t - (e - K), each after a
-        // spin until every CTA has counted in. The barrier orders every thread's stores before
-        // thread 0's release (CUTLASS's semaphore); its acquire (the atomic's, or the spin's
-        // load), then the barrier, orders the merger's loads after the others' stores.
-        const bool spread = !merged_in_cta(S, p.merge);
-        const int e = spread && floor_div((j1 + 1) * W, n) > seg_end ? S - 1 : S;  // j1's range goes on
-        const bool late = e < S && j == j1;
-        const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = G * D / 4;
-        const int all_in = e + (S - e) * kLate;  // the counter once every CTA has counted in
-        __syncthreads();
-        int* counter = p.counters + static_cast<int64_t>(r * H + h) * p.counter_stride;
-        if (tid == 0) {
-          const int t = atomic_add_acq_rel(counter, late ? kLate : 1) & (kLate - 1);
-          const int k = late ? -1 : t - (e - K);
-          if (spread && k >= 0)
-            while (ld_acquire(counter) < all_in) spin_pause(p.spin_ns);
-          s_last = k;
-        }
-        __syncthreads();
-        const int k = s_last;
-        if (k >= 0) {
-          merge_slice<T, D, kLastCtaInFlight>(p, S, segment_slots(j0, seg_begin, W, n), k * cols / K,
-                                              (k + 1) * cols / K, static_cast<int>(qo / D));
-          // Rearmed for the next launch (and graph replay) once no merger still spins: each
-          // counts in again, the one that brings the counter to all_in + K resets it.
-          if (tid == 0 && (!spread || atomicAdd(counter, 1) == all_in + K - 1)) *counter = 0;
-          ++merged;
-        }
-        __syncthreads();  // s_last is read before the next piece writes it
+      // Publish the state, then count in (graph_merge.cuh: who merges). K = 1 (at most
+      // kCtaMergeStates states): the last CTA to count in merges every column, waiting for
+      // nobody. Else (`spread`): the e CTAs for which this piece ends their range take tickets t
+      // (count in with 1); CTA j1, when pieces follow in its range, counts in with kLate and goes
+      // on at once, since a wait there would hold its next pieces and, through them, the next
+      // segments' mergers: one chain of waits through the grid. The last K of the e merge slice
+      // t - (e - K), each after a spin until every CTA has counted in. The barrier orders every
+      // thread's stores before thread 0's release (CUTLASS's semaphore); its acquire (the
+      // atomic's, or the spin's load), then the barrier, orders the merger's loads after the
+      // others' stores.
+      const bool spread = !merged_in_cta(S);
+      const int e = spread && floor_div((j1 + 1) * W, n) > seg_end ? S - 1 : S;  // j1's range goes on
+      const bool late = e < S && j == j1;
+      const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = G * D / 4;
+      const int all_in = e + (S - e) * kLate;  // the counter once every CTA has counted in
+      __syncthreads();
+      int* counter = p.counters + static_cast<int64_t>(r * H + h) * p.counter_stride;
+      if (tid == 0) {
+        const int t = atomic_add_acq_rel(counter, late ? kLate : 1) & (kLate - 1);
+        const int k = late ? -1 : t - (e - K);
+        if (spread && k >= 0)
+          while (ld_acquire(counter) < all_in) spin_pause(p.spin_ns);
+        s_last = k;
       }
+      __syncthreads();
+      const int k = s_last;
+      if (k >= 0) {
+        merge_slice<T, D, kMergeInFlight>(p, S, segment_slots(j0, seg_begin, W, n), k * cols / K,
+                                          (k + 1) * cols / K, static_cast<int>(qo / D));
+        // Rearmed for the next launch (and graph replay) once no merger still spins: each
+        // counts in again, the one that brings the counter to all_in + K resets it.
+        if (tid == 0 && (!spread || atomicAdd(counter, 1) == all_in + K - 1)) *counter = 0;
+        ++merged;
+      }
+      __syncthreads();  // s_last is read before the next piece writes it
     }
     u = piece_end;
   }
   PKV_STAMP_DECODE_END(rec, pieces, merged, first_tokens);
-}
-
-// v5 merge, a programmatic dependent of the decode grid. Merge CTA j repeats the decode's
-// cut (same lengths, same rule) before waiting, so its job is known when the states land:
-// the segment holding unit lo_j, when that segment is cut across CTAs j0..j1 and j > j0.
-// Each of the CTAs j0+1..j1 of a cut segment merges one of j1 - j0 equal slices of the
-// segment's G * D / 4 float4 columns; its threads split the slice's columns and the
-// segment's j1 - j0 + 1 states, load m, l and acc of a round of states together, fold them
-// online and reduce a column's thread group by shuffles. The CTA keeps no per-row array
-// (its row is found from the prefix sums in registers): ~100 B of shared memory, so merge
-// CTAs stay resident beside a full decode grid (MergeCfg).
-template <typename T, int D>
-__global__ void __launch_bounds__(kMergeThreads, MergeCfg<D>::kMinBlocks) graph_merge_kernel(const GraphDecodeParams p) {
-  constexpr int kW = kMergeThreads / 32, kPer = kGraphMaxRows / kMergeThreads;
-  __shared__ int s_warp[kW], s_nzw[kW], s_job[3];  // s_job: row, units before it, its units
-  unsigned long long* const rec = trace_begin(kTraceCtas);
-  (void)rec;
-  const int tid = threadIdx.x, R = p.num_rows;
-  const int H = p.num_kv_heads, G = p.group, Hq = H * G;
-  // The decode's scan (scan_rows), keeping each thread's inclusive prefix sums in registers.
-  int len[kPer], inc[kPer];
-#pragma unroll
-  for (int i = 0; i < kPer; ++i) {
-    const int r = tid * kPer + i;
-    len[i] = r < R ? __ldg(p.seq_lens + r) : 0;
-  }
-  if (tid == 0) s_job[0] = -1;  // ordered before the readers by scan_rows' barrier
-  int before, total, vtotal, all_nz, n;
-  SetupUnits setup;
-  scan_units<kMergeThreads>(p, len, inc, s_warp, s_nzw, &before, &total, &vtotal, &all_nz, &n, &setup);
-  const int64_t W = static_cast<int64_t>(vtotal) * H;
-  const int j = blockIdx.x;
-  const int64_t lo = j > 0 && j < n ? floor_div(j * W, n) : -1;
-  if (lo >= 0) {  // the row whose units hold lo: exactly one (row, thread) sees it
-    int prev = before, run = before;
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) {
-      run += setup.of_tiles(tiles_at(inc, i));
-      const int cur = run + inc[i];
-      if (static_cast<int64_t>(H) * prev <= lo && lo < static_cast<int64_t>(H) * cur)
-        s_job[0] = tid * kPer + i, s_job[1] = prev, s_job[2] = cur - prev;
-      prev = cur;
-    }
-  }
-  __syncthreads();
-  bool job = s_job[0] >= 0;
-  int r = 0, h = 0, j0 = 0, j1 = 0, first = 0;
-  if (job) {
-    r = s_job[0];
-    const int exc = s_job[1], units = s_job[2];
-    // Its set-up units (v5.9): its length read again (an L2 hit) rather than held in registers.
-    const int setup = p.piece_cost > 0 ? units - tiles_of(__ldg(p.seq_lens + r)) : 0;
-    const int64_t row_base = static_cast<int64_t>(H) * exc;
-    h = static_cast<int>(static_cast<uint32_t>(lo - row_base) / static_cast<uint32_t>(units));
-    const int64_t seg_begin = row_base + static_cast<int64_t>(h) * units, seg_end = seg_begin + units;
-    j0 = static_cast<int>(floor_div((seg_begin + setup + 1) * n - 1, W));  // the CTA holding its first tile
-    j1 = static_cast<int>(floor_div(seg_end * n - 1, W));
-    first = segment_slots(j0, seg_begin, W, n).first;
-    job = j0 < j1 && j > j0 && !merged_in_grid(j1 - j0 + 1, p.merge);
-  }
-  PKV_STAMP(rec, 2);
-  if (!job) {
-    // Nothing of the decode's to read, but this grid must not complete before the decode: a
-    // kernel queued after it (a PDL consumer's griddepcontrol.wait included) is ordered by
-    // this grid's completion, and reads `out`. One CTA waiting keeps that; the rest exit.
-    if (blockIdx.x == 0) asm volatile("griddepcontrol.wait;\n" ::: "memory");
-    trace_idle(rec);
-    return;
-  }
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");  // the decode grid is complete, its states visible
-  PKV_STAMP(rec, 3);
-  {
-    const int slices = j1 - j0, k = j - j0 - 1, cols = G * D / 4;
-    merge_slice<T, D, MergeCfg<D>::kInFlight>(p, j1 - j0 + 1, SegmentSlots{j0, first}, k * cols / slices,
-                                              (k + 1) * cols / slices, r * Hq + h * G);
-  }
-#if PKV_TRACE
-  if (rec != nullptr && tid == 0) {
-    rec[4] = clock_now();
-    rec[9] = globaltimer_ns();
-    rec[10] = 1 | (static_cast<unsigned long long>(j1 - j0 + 1) << 8);
-  }
-#endif
 }
 
 }  // namespace

@@ -1,80 +1,54 @@
-// The graph decode's merge of a segment cut across CTAs: who merges it, and merge_slice, the
-// exact merge of the segment's partial states into its output. Included by graph_decode.cu
+// The graph decode's merge of a segment cut across CTAs, inside the decode grid: who merges it,
+// and merge_slice, the exact merge of the segment's partial states into its output. Included by graph_decode.cu
 // only, through graph_decode_kernel.cuh.
 #pragma once
 
-#include "graph_cut.cuh"
 #include "attend.cuh"
+#include "graph_cut.cuh"
 
 namespace pkv {
 namespace {
 
-constexpr int kMergeThreads = 128;
-static_assert(kMergeThreads == kThreads, "the last-CTA merge runs merge_slice on a decode CTA");
-// States a decode CTA's merge loads per round (its last-CTA and in-grid merges): its
-// registers are free by then.
-constexpr int kLastCtaInFlight = 8;
-
-// v5.7 (merge = 1): a cut segment of at most kCtaMergeStates states is merged by its last CTA
-// (one round of loads after the counter), a longer one by the merge kernel's CTAs in slices (one
-// CTA's serial merge of 32 states cost ~9 us at B1 4K: docs/perf-notes.md, v5.6). Merge CTAs
-// without a job exit at once, but for CTA 0, which waits for the decode grid so that the merge
-// grid never completes before it (v5.7.1).
+// Who merges a segment cut across S CTAs (S partial states), inside the decode grid: a short
+// one (S <= kCtaMergeStates) by its last CTA to count in on the segment's counter, every
+// column, with one round of loads; a longer one by the last kMergeSlices of its CTAs to count
+// in, one slice of its columns each, so that no CTA folds many states serially. The earlier of
+// those mergers spin on the counter until every CTA has counted in; a CTA waits only in the
+// last piece of its range, so at most kMergeSlices - 1 CTAs of a segment hold an SM waiting
+// and no wait holds other work (docs/graph-decode.md: why it cannot hang or chain).
+constexpr int kMergeThreads = kThreads;  // merge_slice runs on a decode CTA
+// States a merging CTA loads per round: its registers are free by then.
+constexpr int kMergeInFlight = 8;
 #ifdef PKV_CTA_MERGE_STATES  // build knob (PKV_NVCC_FLAGS), for measuring alternatives
 constexpr int kCtaMergeStates = PKV_CTA_MERGE_STATES;
 #else
 constexpr int kCtaMergeStates = 8;
 #endif
-// Whether a segment cut into `states` states is merged by its last decode CTA (both kernels
-// decide it alike): always under merge = 0, short segments under merge = 1 and 4, never under
-// 2 and 3.
-__device__ __forceinline__ bool merged_in_cta(int states, int merge) {
-  return merge == 0 || ((merge == 1 || merge == 4) && states <= kCtaMergeStates);
-}
-// Whether the decode grid merges such a segment itself (its last CTA, or under merge = 4
-// its last kMergeSlices CTAs); the rest are the merge kernel's.
-__device__ __forceinline__ bool merged_in_grid(int states, int merge) {
-  return merge == 4 || merged_in_cta(states, merge);
-}
-// v5.8 (merge = 4): a longer segment is merged inside the decode grid by the last
-// kMergeSlices of its CTAs to count in, one slice of its columns each, no second kernel. The
-// earlier of them wait for the rest to count in (a spin on the segment's counter); only the
-// last few arrivals wait, and only in the last piece of their range, so at most
-// kMergeSlices - 1 CTAs of a segment ever hold an SM waiting and no wait holds other work
-// (docs/graph-decode.md: why it cannot hang or chain).
 #ifdef PKV_MERGE_SLICES  // build knob (PKV_NVCC_FLAGS), for measuring alternatives
 constexpr int kMergeSlices = PKV_MERGE_SLICES;
 #else
 constexpr int kMergeSlices = 16;
 #endif
-// Two diagnosis options of merge = 4 (docs/perf-notes.md, v5.8: its long-cut rows were
-// 0.5-0.7 us slower than the merge kernel's; the guess is the counter's line): spin_ns > 0
-// backs the mergers' spin off by that many ns a poll (__nanosleep), and counter_stride puts
-// segment (r, h)'s counter at (r * Hkv + h) * counter_stride ints (1: a row's counters share a
-// line; 32: a line each). The counters are allocated for kMaxCounterStride.
+// Whether a segment cut into `states` states is merged by its last CTA alone.
+__device__ __forceinline__ bool merged_in_cta(int states) { return states <= kCtaMergeStates; }
+// Diagnosis options of the spin (GraphDecodeParams): spin_ns > 0 backs the mergers' spin off
+// by that many ns a poll (__nanosleep), and counter_stride puts segment (r, h)'s counter at
+// (r * Hkv + h) * counter_stride ints (1: a row's counters share a line; 32: a line each). The
+// counters are allocated for kMaxCounterStride.
 __device__ __forceinline__ void spin_pause(int spin_ns) {
   if (spin_ns > 0) __nanosleep(static_cast<unsigned>(spin_ns));
 }
-// A late CTA's count-in (merge = 4): above any number of tickets and second count-ins (the
-// grid is checked below it at launch), so a ticket is the counter's low bits.
+// A late CTA's count-in: above any number of tickets and second count-ins (the grid is checked
+// below it at launch), so a ticket is the counter's low bits.
 constexpr int kLate = 1 << 16;
-// Merge kernel registers: at d 128 two merge CTAs (<= 64 registers: 2 x 8192 beside the two
-// decode CTAs' 2 x 23552 at their 180, of 65536) fit beside a full grid of two decode CTAs per
-// SM, so they are resident (their scan overlapping the decode) and load 3 states a round (4
-// spilled at v5.7's 56-register bound; v5.12's set-up scan needed more than 56); at d 64 none
-// fits beside three decode CTAs and at d 256 several do, so there they take 8 a round.
-template <int D> struct MergeCfg {
-  static constexpr int kInFlight = D == 128 ? 3 : 8;
-  static constexpr int kMinBlocks = D == 128 ? 8 : 4;
-};
 
 // The exact merge of one cut segment's `states` partial states (slots slot_of(0..states-1))
 // into float4 columns [c_lo, c_hi) of its G * D outputs (and, where a slice holds a head's
 // first column, that head's LSE); out_at = the segment's first query head (r * Hq + h * G).
-// One definition for both merges: a v5 merge CTA takes one slice of its segment, the last
-// CTA of a segment (merge = 0) takes every column. The CTA's kMergeThreads threads split
-// the columns and the states, load m, l and acc of kIF states together (one L2 round trip
-// per round), fold them online and reduce a column's thread group by shuffles.
+// A short segment's last CTA takes every column, each of a long segment's mergers one slice.
+// The CTA's kMergeThreads threads split the columns and the states, load m, l and acc of kIF
+// states together (one L2 round trip per round), fold them online and reduce a column's
+// thread group by shuffles.
 template <typename T, int D, int kIF>
 __device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int states, SegmentSlots slot_of, int c_lo,
                                             int c_hi, int out_at) {

@@ -14,17 +14,16 @@ namespace {
 __device__ unsigned long long g_trace[kTraceRecords * kTraceFields];
 #endif
 
-// This CTA's record (record first + blockIdx.x: decode CTAs from 0, merge CTAs from
-// kTraceCtas), its entry time stamped; null past kTraceCtas CTAs and without PKV_TRACE.
-__device__ __forceinline__ unsigned long long* trace_begin(int first) {
+// This CTA's record (record blockIdx.x), its entry time stamped; null past kTraceCtas CTAs and
+// without PKV_TRACE.
+__device__ __forceinline__ unsigned long long* trace_begin() {
 #if PKV_TRACE
-  unsigned long long* rec = g_trace + static_cast<int64_t>(first + blockIdx.x) * kTraceFields;
+  unsigned long long* rec = g_trace + static_cast<int64_t>(blockIdx.x) * kTraceFields;
   if (threadIdx.x == 0 && blockIdx.x < kTraceCtas) rec[0] = globaltimer_ns();
   if (blockIdx.x >= kTraceCtas) rec = nullptr;
   PKV_STAMP(rec, 1);
   return rec;
 #else
-  (void)first;
   return nullptr;
 #endif
 }

@@ -1,4 +1,4 @@
-"""The v4 kernel's device-side split rule, in Python (what every CTA of csrc/graph_decode.cu computes).
+"""The graph decode's device-side split rule, in Python (what every CTA of csrc/graph_cut.cuh computes).
 
 A step's work is H * sum_r tiles(r) units (one unit = one TILE_TOKENS tile of one KV
 head); segment (r, h) holds units [H * exc_r + h * tiles_r, + tiles_r) where exc_r sums
@@ -18,14 +18,10 @@ tiles plus set-ups equally. n stays the tiles' (`active_ctas`); a piece of set-u
 is no piece; a segment's first CTA j0 is the one holding its first tile. P = 0 is the cut
 before, unit for unit (`Cut`).
 
-v5 merges cut segments in a second kernel (a programmatic dependent of the decode) that
-repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
-j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
-segment's float4 columns (`merge_jobs`). v5.7 (merge = 1) leaves a segment of at most
-CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
-v5.8 (merge = 4, the default since v5.8.1 was measured) launches no merge kernel: a longer
-segment is merged by the last MERGE_SLICES of its CTAs to finish, one equal slice of its
-columns each (the earlier ones wait on the segment's counter for the rest; `grid_merge_roles`).
+Cut segments are merged inside the decode grid: a segment of at most CTA_MERGE_STATES
+states by its last CTA to finish, a longer one by the last MERGE_SLICES of its CTAs to
+finish, one equal slice of its columns each (the earlier ones wait on the segment's counter
+for the rest; `grid_merge_roles`).
 
 This module is the CPU oracle of that rule: `graph_schedule` turns it into a
 pkv.plan.schedule.Schedule (one queue launch, tasks in segment order) that
@@ -43,9 +39,8 @@ from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
 GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (docs/perf-notes.md, v5.9 A/B; 4 in v5, 8 in v4)
-GRAPH_MERGE = 4         # default merge mode (pkv.engines.graph.MERGE_MODES; docs/perf-notes.md, v5.9 A/B)
-CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
-MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
+CTA_MERGE_STATES = 8    # kCtaMergeStates: a segment of more states is merged by several of its CTAs
+MERGE_SLICES = 16       # kMergeSlices: a longer segment is merged in this many slices in the grid
 PIECE_COST = 8          # default set-up units in front of a short segment (v5.9; v5.12: 8, docs/perf-notes.md)
 MAX_PIECE_COST = 64     # kMaxPieceCost
 MAX_COUNTER_STRIDE = 32  # kMaxCounterStride: merge counters allocated per (row, KV head), in ints
@@ -54,22 +49,12 @@ MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
 
 @dataclass(frozen=True)
 class GridMerge:
-    """merge = 4's roles for one segment of more than CTA_MERGE_STATES states (v5.8.1)."""
+    """The in-grid merge's roles for one segment of more than CTA_MERGE_STATES states."""
     row: int
     kv_head: int
     ctas: tuple[int, ...]    # j0..j1, the CTAs holding its states
     late: int | None         # j1 when pieces follow in its range: counts in, never waits or merges
     slices: int              # K: the last K of the other CTAs to count in merge one slice each
-
-
-@dataclass(frozen=True)
-class MergeJob:
-    cta: int                 # merge-kernel CTA
-    row: int
-    kv_head: int
-    slots: tuple[int, ...]   # the segment's states in merge order
-    col_begin: int           # float4 columns [col_begin, col_end) of the segment's G * D / 4
-    col_end: int
 
 
 @dataclass(frozen=True)
@@ -202,37 +187,16 @@ class Cut:
         return self.cta_of(seg_begin + int(self.setup[r])), self.cta_of(seg_end - 1)
 
     def slots(self, j0: int, j1: int, seg_begin: int) -> tuple[int, ...]:
-        """A cut segment's states in merge order (csrc/graph_decode.cu's SegmentSlots): CTA j0's
+        """A cut segment's states in merge order (csrc/graph_cut.cuh's SegmentSlots): CTA j0's
         piece (slot 2 j0 when j0's range starts in the segment, else 2 j0 + 1), then 2 j for the
         later CTAs j."""
         first = 2 * j0 if self.lo(j0) >= seg_begin else 2 * j0 + 1
         return (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
 
 
-def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int, min_tiles: int = GRAPH_MIN_TILES,
-               cta_merge_states: int = 0, piece_cost: int = PIECE_COST) -> list[MergeJob]:
-    """The v5 merge kernel's jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
-    (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out.
-    Segments of at most `cta_merge_states` states are their last CTA's to merge (merge = 1:
-    CTA_MERGE_STATES; merge = 3: 0), not the kernel's."""
-    cut = Cut.of(seq_lens, num_kv_heads, num_ctas, min_tiles, piece_cost)
-    jobs = []
-    for j in range(1, cut.n):
-        r, head, seg_begin, seg_end = cut.segment(cut.lo(j))
-        j0, j1 = cut.ctas(r, seg_begin, seg_end)
-        if j0 >= j1 or j <= j0 or j1 - j0 + 1 <= cta_merge_states:
-            continue
-        slots = cut.slots(j0, j1, seg_begin)
-        k, slices = j - j0 - 1, j1 - j0
-        c0, c1 = k * cols // slices, (k + 1) * cols // slices
-        if c0 < c1:
-            jobs.append(MergeJob(j, r, head, slots, c0, c1))
-    return jobs
-
-
 def grid_merge_roles(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
                      piece_cost: int = PIECE_COST) -> list[GridMerge]:
-    """The in-grid merge's roles (merge = 4), as every CTA of csrc/graph_decode.cu computes
+    """The in-grid merge's roles, as every CTA of csrc/graph_decode_kernel.cuh computes
     them from the cut: for each segment cut into more than CTA_MERGE_STATES states, the late
     CTA (j1, when its range goes on past the segment's end) and the slice count
     K = min(e, MERGE_SLICES) over the e other CTAs."""
