@@ -1,4 +1,4 @@
-"""The v4 kernel's device-side split rule (pkv.plan.device_schedule), checked on the CPU.
+"""The graph decode's device-side split rule (pkv.plan.device_schedule), checked on the CPU.
 
 The kernel (csrc/graph_cut.cuh) and this module implement one rule; these tests pin its
 properties: every token of every row read exactly once, ranges balanced to one tile,
@@ -240,12 +240,12 @@ def test_padded_step_and_capacity_on_cpu():
 @pytest.mark.parametrize("num_ctas,min_tiles", [(264, 4), (264, 1), (132, 2), (40, 1)])
 @pytest.mark.parametrize("piece_cost", [0, 1, 3])
 def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles, piece_cost):
-    """merge = 4 (v5.8.1): a CTA may wait for a segment's other CTAs only where that segment's
+    """The in-grid merge: a CTA may wait for a segment's other CTAs only where that segment's
     piece ends its range. The rule every CTA computes (grid_merge_roles: the late CTA is j1 when
     its range goes on) must name the CTAs with pieces left, read off the cut itself (exactly
     those with piece_cost 0; with set-up units a late CTA's range may go on into set-up units
-    only, so it waits for nothing and merges nothing without need); the B4 case is a step of
-    the serving trace where v5.8's waits chained through the grid."""
+    only, so it waits for nothing and merges nothing without need); the B4 case is a serving
+    step whose waits would chain through the grid if a CTA with pieces left waited."""
     lens = np.asarray({"B4 near 33K": [32786, 32801, 32780, 32783],
                        "bimodal B8": [512, 24576, 700, 30000, 1500, 26000, 480, 31000]}.get(name) or CASES[name])
     h = 8
@@ -265,4 +265,4 @@ def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles, pie
         assert g.late in (None, g.ctas[-1])
         assert 1 <= g.slices <= min(MERGE_SLICES, len(g.ctas) - (g.late is not None))
     if name == "B4 near 33K" and (num_ctas, min_tiles) == (264, 4):
-        assert any(g.late is not None for g in roles)          # the straddling CTAs v5.8 let wait
+        assert any(g.late is not None for g in roles)          # the straddling CTAs that must not wait

@@ -1,4 +1,4 @@
-"""pkv-graph (v4 kernel, splits decided on the GPU) against the FP32 reference (needs a GPU).
+"""pkv-graph (splits decided on the GPU) against the FP32 reference (needs a GPU).
 
 Fresh random K, V, Q for every case; outputs and the partial workspace are poisoned with
 NaN first; block-table rows are reached through shuffled request ids. The replay tests
@@ -103,7 +103,7 @@ def test_merge_paths(min_tiles, group, head_dim):
 @pytest.mark.parametrize("lengths", ["many-short", "one-long", "bimodal", "mixed"])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 256)])
 def test_piece_cost(piece_cost, lengths, group, head_dim):
-    """v5.9's cut with set-up units in front of short segments (docs/perf-notes.md): ranges that
+    """The cut with set-up units in front of short segments: ranges that
     start, end or lie in set-up units, segments whose first CTA is not the one holding their
     first unit, merged by their last CTA and by several."""
     seed = seed_of("graph-piece-cost", piece_cost, lengths, group, head_dim)
