@@ -136,10 +136,10 @@ template <int D, bool kFp8> struct KvPipe {
       const int t0 = tok0(j);
       const uint32_t stage = k_stage(j);
       if (P >= kChunk && t0 + C::kStepTokens <= a.t_end) {
-        // v5.6: a whole step inside the range and each sub-chunk inside one page (t0 is
+        // A whole step inside the range and each sub-chunk inside one page (t0 is
         // 16-aligned): one address per sub-chunk, then a pointer step per copy, no
-        // per-copy page lookup, wrap or bound (the prologue's copies were 1.4 us of issue
-        // work at B1 1K: docs/perf-notes.md).
+        // per-copy page lookup, wrap or bound (that address work was on the issue path of
+        // the prologue and of every step).
         constexpr int kTokPerIt = 32 / C::kPieces, kIts = kChunk * C::kPieces / 32;
         const int lane_tok = lane / C::kPieces, piece = lane % C::kPieces;
         const int64_t it_step = kTokPerIt * a.tok_stride;

@@ -98,7 +98,7 @@ void merge(const at::Tensor& partial, const at::Tensor& meta, const at::Tensor& 
   TORCH_CHECK(err == cudaSuccess, "pkv.merge launch failed: ", cudaGetErrorString(err));
 }
 
-// v4: named arguments; the step's split is decided by the kernel from seq_lens. K and V are
+// Named arguments; the step's split is decided by the kernel from seq_lens. K and V are
 // [num_pages, Hkv, P, D] views with any page, head and token strides (one tensor's halves,
 // a (K, V) pair, or another layout seen through permuted views); the last dim is contiguous.
 void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& block_table,
@@ -106,7 +106,7 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& lse, const at::Tensor& partial, const at::Tensor& counters,
                         int64_t num_ctas, int64_t min_tiles, const std::optional<at::Tensor>& page_scales,
                         double k_scale, double v_scale, double sm_scale, double logits_soft_cap,
-                        int64_t merge, int64_t piece_cost, int64_t counter_stride, int64_t spin_ns) {
+                        int64_t piece_cost, int64_t counter_stride, int64_t spin_ns) {
   check_cuda(q, "q"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
   TORCH_CHECK(k.is_cuda() && v.is_cuda() && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
@@ -166,11 +166,6 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.page_shift = 63 - __builtin_clzll(static_cast<unsigned long long>(P));
   p.num_ctas = static_cast<int>(num_ctas);
   p.min_tiles = static_cast<int>(min_tiles);
-  TORCH_CHECK(merge >= 0 && merge <= 4, "pkv.graph_decode: merge is 1 (short segments by their last CTA, long "
-              "ones by the PDL merge kernel), 0 (every one by its last CTA), 3 (every one by the merge kernel), 2 "
-              "(as 3, launched as the decode exits) or 4 (short ones by their last CTA, long ones by their last "
-              "CTAs, no merge kernel)");
-  p.merge = static_cast<int>(merge);
   TORCH_CHECK(piece_cost >= 0 && piece_cost <= pkv::kMaxPieceCost, "pkv.graph_decode: piece_cost is 0..",
               pkv::kMaxPieceCost, " set-up units in front of a short segment, got ", piece_cost);
   p.piece_cost = static_cast<int>(piece_cost);
@@ -199,14 +194,13 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
 void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& block_table, const at::Tensor& seq_lens,
                   const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
                   const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
-                  const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale, int64_t merge,
-                  int64_t piece_cost, int64_t counter_stride, int64_t spin_ns) {
+                  const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale, int64_t piece_cost,
+                  int64_t counter_stride, int64_t spin_ns) {
   check_cuda(kv, "kv");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "pkv: kv[pages,2,Hkv,P,D] expected");
   graph_decode_paged(q, kv.select(1, 0), kv.select(1, 1), block_table, seq_lens, req_ids, out, std::nullopt, partial,
                      counters, num_ctas, min_tiles, page_scales, k_scale, v_scale,
-                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, merge, piece_cost, counter_stride,
-                     spin_ns);
+                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, piece_cost, counter_stride, spin_ns);
 }
 
 int64_t graph_ctas_per_sm(int64_t head_dim) { return pkv::graph_decode_ctas_per_sm(static_cast<int>(head_dim)); }
@@ -245,12 +239,11 @@ TORCH_LIBRARY(pkv, m) {
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
-        "float k_scale=1.0, float v_scale=1.0, int merge=4, int piece_cost=8, int counter_stride=1, "
-        "int spin_ns=0) -> ()");
+        "float k_scale=1.0, float v_scale=1.0, int piece_cost=8, int counter_stride=1, int spin_ns=0) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
-        "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int merge=4, "
-        "int piece_cost=8, int counter_stride=1, int spin_ns=0) -> ()");
+        "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int piece_cost=8, "
+        "int counter_stride=1, int spin_ns=0) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
   m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
 }

@@ -1,27 +1,17 @@
-// PersistentKV v4/v5: decode whose work split is decided on the GPU.
+// The graph decode: a paged-KV GQA decode whose work split is decided on the GPU.
 //
 // The grid is fixed by capacity (CTAs per SM x SMs), so one CUDA graph replays any step
-// up to `num_rows` rows. Every CTA reads the step's lengths, cuts the step's
-// H * sum(tiles) work units into equal contiguous ranges (one per CTA), and attends over
-// the (row, KV head) pieces its range covers (v5.9, piece_cost > 0: a segment shorter than a
-// range also holds set-up units in front of its tiles, so that ranges are equal in tiles plus
-// the pieces' set-ups). A piece that is a whole segment writes its
-// output; a segment cut across CTAs leaves FP32 partial states, merged
-//  - merge = 1 (v5.7): by the segment's last CTA to finish (atomic counter)
-//    when it has at most kCtaMergeStates states, else by a merge kernel launched as a
-//    programmatic dependent (PDL) of the decode. The merge kernel decides the same split
-//    from the same lengths while the decode runs; its CTAs with a job wait for the decode
-//    grid (griddepcontrol.wait) and merge one slice of a segment's columns each, the others
-//    exit at once (CTA 0 after waiting too: the merge grid completes after the decode, so
-//    whatever the stream runs next, PDL or not, reads a finished `out`);
-//  - merge = 4 (v5.8, the default): inside the decode grid, no second kernel. Short
-//    segments as under 1; a longer one by the last kMergeSlices of its CTAs to count in, one slice of its columns
-//    each, the earlier of them spinning on the segment's counter until every CTA has counted
-//    in (only in the last piece of a CTA's range: v5.8.1);
-//  - merge = 0 (v4): every cut segment by its last CTA, no merge kernel;
-//  - merge = 3 (v5.0-v5.6): every cut segment by the merge kernel; 2: the same with no early
-//    trigger (an ablation: the merge grid launches as the decode exits).
-// No host plan either way. Torch-free: binding.cpp unpacks tensors into these structs.
+// up to `num_rows` rows. Every CTA reads the step's lengths, cuts the step's work units into
+// equal contiguous ranges (one per CTA; a unit is one tile of one KV head, and with
+// piece_cost > 0 a segment shorter than a range also holds set-up units in front of its
+// tiles, so that ranges are equal in tiles plus the pieces' set-ups), and attends over the
+// (row, KV head) pieces its range covers. A piece that is a whole segment writes its output;
+// a segment cut across CTAs leaves FP32 partial states, merged inside the same grid (one
+// kernel, no second launch): by the segment's last CTA to count in on its counter when it has
+// at most kCtaMergeStates states, else by the last kMergeSlices of its CTAs to count in, one
+// slice of its columns each, the earlier of them spinning on the counter until every CTA has
+// counted in (only in the last piece of a CTA's range). No host plan. Torch-free: binding.cpp
+// unpacks tensors into these structs.
 #pragma once
 
 #include <cstdint>
@@ -59,14 +49,10 @@ struct GraphDecodeParams {
   int page_shift;           // log2(page size)
   int num_ctas;             // grid size: the capacity the partial workspace was sized for
   int min_tiles;            // no CTA range shorter than this many tiles (while work allows)
-  int piece_cost;           // v5.9: set-up units in front of each segment shorter than a CTA's
-                            // range (0..kMaxPieceCost; 0: the cut counts tiles only)
+  int piece_cost;           // set-up units in front of each segment shorter than a CTA's range
+                            // (0..kMaxPieceCost; 0: the cut counts tiles only)
   int counter_stride;       // ints between two segments' merge counters (1..kMaxCounterStride; 1)
-  int spin_ns;              // merge = 4's spin back-off a poll, ns (0..kMaxSpinNs; 0: none)
-  int merge;                // 1: short segments by their last CTA, long ones by the PDL merge kernel
-                            // (v5.7); 4: long ones by their last CTAs in this grid (v5.8); 0: every
-                            // segment by its last CTA (v4); 3: every one by the merge kernel (v5);
-                            // 2: as 3 with no early trigger
+  int spin_ns;              // the mergers' spin back-off a poll, ns (0..kMaxSpinNs; 0: none)
   float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
 };
@@ -76,8 +62,9 @@ constexpr int kFp8MaxHeadDim = 128;
 
 // Diagnosis build knob (PKV_NVCC_FLAGS="-DPKV_TRACE=1", `pkv bench kernels --trace`): every
 // CTA of the last launch stamps its phases (clock64, %globaltimer) into a device buffer of
-// kTraceRecords records of kTraceFields u64: decode CTA j at record j, merge CTA j at
-// kTraceCtas + j. Off by default (no stamp is compiled).
+// kTraceRecords records of kTraceFields u64: CTA j at record j; records kTraceCtas and up are
+// not written (pkv.bench.kernels reads a buffer of two kernels' records and finds none in the
+// second half). Off by default (no stamp is compiled).
 #ifndef PKV_TRACE
 #define PKV_TRACE 0
 #endif

@@ -1,6 +1,6 @@
-// PersistentKV v3 split decode (host-planned launches), segmented merge and the fused and
-// cluster-merge variants (paper §3.2–3.4). One CTA = one task (launch row, kv head, token
-// range); the attention over the range is attend.cuh's, shared with the v4 kernel.
+// PersistentKV's host-planned split decode (the workqueue and bucket launches), segmented merge
+// and the fused and cluster-merge variants (paper §3.2–3.4). One CTA = one task (launch row, kv
+// head, token range); the attention over the range is attend.cuh's, shared with the graph decode.
 #include "pkv_decode.h"
 
 #include "attend.cuh"

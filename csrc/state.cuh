@@ -27,8 +27,8 @@ __device__ __forceinline__ float lse_of(float m, float l) { return (m + log2f(l)
 // is built to take few L2 round trips: (1) every m and every l in one round (staged in
 // s_w: 2 n G floats when s_w_floats allows, else l is read in step 2); (2) one warp per
 // head reduces max and denominator from shared memory; (3) threads own float4 columns of
-// acc and stream the states with the weights, kInFlight loads in flight. (A serial per-state loop in step 2 cost one round
-// trip per state, ~10 us at 24 splits: ncu of v3's merge kernel.) s_red: blockDim.x float4.
+// acc and stream the states with the weights, kInFlight loads in flight (a serial per-state
+// loop would cost one L2 round trip per state). s_red: blockDim.x float4.
 // lse: null or the G heads' merged LSE (lse_of), FP32.
 template <typename T, int D, bool kCoherent, class SlotOf>
 __device__ void merge_states(const float* partial, int num_slots, int G, int n, SlotOf slot_of, T* out_heads,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_COUNTER_STRIDE, MAX_PIECE_COST, MAX_SPIN_NS,
-                                      GRAPH_MERGE, MERGE_SLICES, PIECE_COST)
+                                      MERGE_SLICES, PIECE_COST)
 from pkv.engines import graph, persistent
 from pkv.plan.schedule import TILE_TOKENS
 
@@ -70,9 +70,9 @@ def test_decode_op_takes_the_launch_builder_names():
     assert names[7:] == list(persistent.KERNEL_ARGS)
 
 
-@pytest.mark.parametrize("arg, value", [("piece_cost", PIECE_COST), ("merge", GRAPH_MERGE)])
+@pytest.mark.parametrize("arg, value", [("piece_cost", PIECE_COST)])
 def test_graph_ops_default_to_the_python_constants(arg, value):
-    """Both pkv-graph ops' schemas default piece_cost and merge to pkv.plan.device_schedule's."""
+    """Both pkv-graph ops' schemas default piece_cost to pkv.plan.device_schedule's."""
     text = SOURCES["binding.cpp"].replace('"\n        "', "")
     defaults = re.findall(rf"int {arg}=(\d+)[,)]", text)
     assert len(defaults) == 2 and {int(d) for d in defaults} == {value}, defaults

@@ -1,6 +1,6 @@
-"""pkv-graph's device-side split rule (pkv.plan.device_schedule), checked on the CPU.
+"""The graph decode's device-side split rule (pkv.plan.device_schedule), checked on the CPU.
 
-The kernel (csrc/graph_decode.cu) and this module implement one rule; these tests pin its
+The kernel (csrc/graph_cut.cuh) and this module implement one rule; these tests pin its
 properties: every token of every row read exactly once, ranges balanced to one tile,
 at most two partial-state slots per CTA, slots the merger reads are the ones written, and
 the task list executed by the reference engine equals plain attention.
@@ -18,8 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES, MergeJob, active_ctas,
-                                      graph_pieces, graph_schedule, grid_merge_roles, merge_jobs)
+from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES, active_ctas, graph_pieces,
+                                      graph_schedule, grid_merge_roles)
 from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
@@ -81,31 +81,20 @@ def test_ranges_balanced_and_slots_consistent(name, piece_cost):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("num_ctas,min_tiles,cols", [(264, 8, 128), (264, 1, 16), (132, 2, 512), (7, 1, 32)])
-@pytest.mark.parametrize("cta_merge_states", [0, CTA_MERGE_STATES])
+@pytest.mark.parametrize("num_ctas,min_tiles", [(264, 8), (264, 1), (132, 2), (7, 1)])
 @pytest.mark.parametrize("piece_cost", [0, 2])
-def test_merge_jobs_cover_every_cut_segment_once(name, num_ctas, min_tiles, cols, cta_merge_states, piece_cost):
-    """The merge kernel (merge = 3: every cut segment; merge = 1: those of more than
-    CTA_MERGE_STATES states, the rest being their last CTA's): every such segment's columns
-    merged exactly once, from exactly the slots its pieces wrote, each merge CTA at most one job."""
+def test_a_cut_segments_merge_reads_exactly_the_slots_its_pieces_wrote(name, num_ctas, min_tiles, piece_cost):
+    """Every piece of a cut segment names the same merge order (its merger_slots), and it is
+    exactly the set of slots the segment's pieces wrote, each once."""
     lens = np.asarray(CASES[name])
-    h = 8
-    written = defaultdict(set)
-    for p in graph_pieces(lens, h, num_ctas, min_tiles, piece_cost):
+    written, orders = defaultdict(list), defaultdict(set)
+    for p in graph_pieces(lens, 8, num_ctas, min_tiles, piece_cost):
         if p.slot >= 0:
-            written[(p.row, p.kv_head)].add(p.slot)
-            assert set(p.merger_slots) == written[(p.row, p.kv_head)] | set(p.merger_slots)
-    covered = defaultdict(list)
-    jobs = merge_jobs(lens, h, num_ctas, cols, min_tiles, cta_merge_states, piece_cost)
-    assert len({j.cta for j in jobs}) == len(jobs)
-    for j in jobs:
-        assert set(j.slots) == written[(j.row, j.kv_head)] and len(j.slots) == len(set(j.slots))
-        covered[(j.row, j.kv_head)].append((j.col_begin, j.col_end))
-    assert set(covered) == {seg for seg, slots in written.items() if len(slots) > cta_merge_states}
-    for spans in covered.values():
-        spans.sort()
-        assert spans[0][0] == 0 and spans[-1][1] == cols
-        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            written[(p.row, p.kv_head)].append(p.slot)
+            orders[(p.row, p.kv_head)].add(p.merger_slots)
+    for seg, slots in written.items():
+        assert len(orders[seg]) == 1 and len(slots) == len(set(slots))
+        assert set(next(iter(orders[seg]))) == set(slots)
 
 
 def test_few_segments_never_straddle():
@@ -171,22 +160,9 @@ def test_pieces_are_the_units_cut_equally(name, num_ctas, min_tiles, piece_cost)
 @given(lens=st.lists(st.integers(0, 3000), min_size=1, max_size=24), h=st.sampled_from([1, 2, 8]),
        num_ctas=st.sampled_from([1, 3, 7, 64, 264]), min_tiles=st.integers(1, 8), piece_cost=st.integers(0, 4))
 def test_random_steps_are_the_units_cut_equally(lens, h, num_ctas, min_tiles, piece_cost):
-    """Random steps: the oracle's pieces and slots are the unit-by-unit cut's, and the merge
-    kernel's jobs (merge = 3: every cut segment) are CTAs j0 + 1 .. j1 of each cut segment, CTA
-    j0 + 1 + k merging slice k of j1 - j0 equal slices, from the segment's slots in merge order."""
+    """Random steps: the oracle's pieces and slots are the unit-by-unit cut's."""
     want = pieces_unit_by_unit(lens, h, num_ctas, min_tiles, piece_cost)
     assert _pieces(lens, h, num_ctas, min_tiles, piece_cost) == want
-    cols = 32
-    segments = {(r, g): order for _, r, g, _, _, slot, order in want if slot >= 0}
-    want_jobs = []
-    for (r, g), order in segments.items():
-        ctas = sorted({j for j, rr, gg, *_ in want if (rr, gg) == (r, g)})
-        for k, j in enumerate(ctas[1:]):
-            c0, c1 = k * cols // (len(ctas) - 1), (k + 1) * cols // (len(ctas) - 1)
-            if c0 < c1:
-                want_jobs.append(MergeJob(j, r, g, order, c0, c1))
-    got = merge_jobs(lens, h, num_ctas, cols, min_tiles, 0, piece_cost)
-    assert sorted(got, key=lambda m: m.cta) == sorted(want_jobs, key=lambda m: m.cta)
 
 
 @pytest.mark.parametrize("lens", [[8192], [1024], [1024] * 32, [40_000] * 3, [16384, 20000, 1 << 17]])
@@ -198,7 +174,7 @@ def test_piece_cost_leaves_steps_of_long_segments_alone(lens):
 
 @pytest.mark.parametrize("name", ["B8 bimodal 512/24K", "1x32K + 31 short", "B16 uniform 1-8K", "1x128K + 7x1K"])
 def test_piece_cost_evens_tiles_plus_pieces(name):
-    """What set-up units are for (docs/perf-notes.md): with a set-up of one tile a piece, the busiest
+    """What v5.9 is for (docs/perf-notes.md): with a set-up of one tile a piece, the busiest
     CTA's tiles + pieces come closer to the mean than the tiles-only cut leaves them."""
     from pkv.bench.kernels import ragged
 
@@ -264,12 +240,12 @@ def test_padded_step_and_capacity_on_cpu():
 @pytest.mark.parametrize("num_ctas,min_tiles", [(264, 4), (264, 1), (132, 2), (40, 1)])
 @pytest.mark.parametrize("piece_cost", [0, 1, 3])
 def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles, piece_cost):
-    """merge = 4: a CTA may wait for a segment's other CTAs only where that segment's
+    """The in-grid merge: a CTA may wait for a segment's other CTAs only where that segment's
     piece ends its range. The rule every CTA computes (grid_merge_roles: the late CTA is j1 when
     its range goes on) must name the CTAs with pieces left, read off the cut itself (exactly
     those with piece_cost 0; with set-up units a late CTA's range may go on into set-up units
-    only, so it waits for nothing and merges nothing without need); the B4 case is a step of
-    the serving trace where waits for the straddling CTAs could chain through the grid."""
+    only, so it waits for nothing and merges nothing without need); the B4 case is a serving
+    step whose waits would chain through the grid if a CTA with pieces left waited."""
     lens = np.asarray({"B4 near 33K": [32786, 32801, 32780, 32783],
                        "bimodal B8": [512, 24576, 700, 30000, 1500, 26000, 480, 31000]}.get(name) or CASES[name])
     h = 8
@@ -289,4 +265,4 @@ def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles, pie
         assert g.late in (None, g.ctas[-1])
         assert 1 <= g.slices <= min(MERGE_SLICES, len(g.ctas) - (g.late is not None))
     if name == "B4 near 33K" and (num_ctas, min_tiles) == (264, 4):
-        assert any(g.late is not None for g in roles)          # the straddling CTAs, which must wait
+        assert any(g.late is not None for g in roles)          # the straddling CTAs that must not wait

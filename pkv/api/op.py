@@ -23,8 +23,7 @@ import torch
 
 from pkv.core.shape import Shape
 from pkv.engines.graph import CPU_NUM_CTAS, CTAS_PER_SM, check_graph_shape
-from pkv.plan.device_schedule import (GRAPH_MAX_ROWS, GRAPH_MERGE, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE, PIECE_COST,
-                                      graph_schedule)
+from pkv.plan.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE, PIECE_COST, graph_schedule
 
 QUERY_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 FP8 = torch.float8_e4m3fn
@@ -169,8 +168,7 @@ def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_
         workspace = make_workspace(batch, hq, k.shape[1], d, q.device)
     partial, ids, counters = split_workspace(workspace, batch, hq, k.shape[1], d)
     ops().graph_decode_paged(q, k, v, block_table, seq_lens, ids, out, lse, partial, counters, num_ctas(q.device, d),
-                             GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, merge=GRAPH_MERGE,
-                             piece_cost=PIECE_COST)
+                             GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, piece_cost=PIECE_COST)
 
 
 @torch.library.custom_op("pkv_api::paged_decode", mutates_args=("out", "lse", "workspace"))

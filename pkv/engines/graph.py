@@ -1,4 +1,4 @@
-"""`pkv-graph`: the decode with no host plan (csrc/graph_decode.cu, docs/graph-decode.md).
+"""`pkv-graph`: the decode with no host plan (csrc/graph_decode.h, docs/graph-decode.md).
 
 prepare() writes the step's lengths and block-table row ids into one pinned buffer and
 issues one host-to-device copy; the kernel decides the split on the GPU. Every buffer the
@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, GRAPH_MERGE, GRAPH_MIN_TILES,
-                                      MAX_COUNTER_STRIDE, MAX_PIECE_COST, MAX_SPIN_NS, MERGE_SLICES, PIECE_COST,
-                                      graph_schedule)
+from pkv.plan.device_schedule import (GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE, MAX_PIECE_COST,
+                                      MAX_SPIN_NS, PIECE_COST, graph_schedule)
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
@@ -64,28 +63,19 @@ class GraphPlan(Plan):
     @property
     def counters(self) -> Counters:
         if self._counters is None:
-            shape, num_ctas, min_tiles, num_sms, merge, piece_cost = self._counter_args
+            shape, num_ctas, min_tiles, num_sms, piece_cost = self._counter_args
             cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles, piece_cost)
-            self._counters = Counters(1, int(merge in MERGE_KERNEL_MODES), 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
+            self._counters = Counters(1, 0, 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
                                       int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes),
                                       int(cost.task_bytes))
         return self._counters
-
-
-# pkv-graph's `merge` option (csrc/graph_decode.h): who merges a segment cut across CTAs.
-MERGE_MODES = {1: f"its last CTA up to {CTA_MERGE_STATES} states, else the PDL merge kernel",
-               0: "its last CTA always", 3: "the PDL merge kernel always",
-               2: "the merge kernel launched as the decode exits (ablation)",
-               4: f"its last CTA up to {CTA_MERGE_STATES} states, else its last {MERGE_SLICES} CTAs, "
-                  "no merge kernel (default)"}
-MERGE_KERNEL_MODES = (1, 2, 3)   # the modes that launch the merge kernel
 
 
 class GraphEngine(Engine):
     name = "pkv-graph"
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
-                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None, merge: int = GRAPH_MERGE,
+                 min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None,
                  piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0):
         super().__init__(cache)
         s = cache.shape
@@ -98,16 +88,12 @@ class GraphEngine(Engine):
         if min_tiles < 1:
             raise ValueError(f"min_tiles must be >= 1, got {min_tiles}")
         self.min_tiles = min_tiles
-        if merge not in MERGE_MODES:
-            raise ValueError(f"merge is one of {sorted(MERGE_MODES)}, got {merge}: " + "; ".join(
-                f"{k}: {v}" for k, v in MERGE_MODES.items()))
-        self.merge = int(merge)   # how cut segments merge on the GPU; the CPU oracle is the same for all
         if not 0 <= piece_cost <= MAX_PIECE_COST:
             raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a short segment's piece costs in "
-                             f"the cut (0: tiles only), got {piece_cost}")
+                             f"the cut (v5.9; 0: tiles only), got {piece_cost}")
         self.piece_cost = int(piece_cost)
-        # merge = 4's diagnosis options (csrc/graph_decode.cu, spin_pause): where the segments'
-        # counters sit (ints apart) and the mergers' spin back-off (ns a poll).
+        # The in-grid merge's diagnosis options (csrc/graph_merge.cuh, spin_pause): where the
+        # segments' counters sit (ints apart) and the mergers' spin back-off (ns a poll).
         if not (1 <= counter_stride <= MAX_COUNTER_STRIDE and 0 <= spin_ns <= MAX_SPIN_NS):
             raise ValueError(f"counter_stride is 1..{MAX_COUNTER_STRIDE} and spin_ns 0..{MAX_SPIN_NS}, got "
                              f"{counter_stride} and {spin_ns}")
@@ -118,7 +104,7 @@ class GraphEngine(Engine):
         else:
             sms = num_sms or CPU_NUM_CTAS // 2
             self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
-        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.merge, self.piece_cost)
+        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.piece_cost)
         dev = cache.device
         slots = 2 * self.num_ctas
         self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
@@ -156,8 +142,7 @@ class GraphEngine(Engine):
             scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale, "v_scale": sc.v_scale}
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
-                                  merge=self.merge, piece_cost=self.piece_cost, counter_stride=self.counter_stride,
-                                  spin_ns=self.spin_ns)
+                                  piece_cost=self.piece_cost, counter_stride=self.counter_stride, spin_ns=self.spin_ns)
             return out
         b = plan.step.active
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))

@@ -23,7 +23,8 @@ import torch
 
 _PACKAGE = Path(__file__).resolve().parents[1]
 SOURCES = ("binding.cpp", "pkv_decode.cu", "graph_decode.cu", "roofline.cu")
-HEADERS = ("pkv_decode.h", "graph_decode.h", "roofline.h", "ptx.cuh", "state.cuh", "attend.cuh", "attend_fp8.cuh")
+HEADERS = ("pkv_decode.h", "graph_decode.h", "roofline.h", "ptx.cuh", "state.cuh", "attend.cuh", "attend_fp8.cuh",
+           "graph_trace.cuh", "graph_cut.cuh", "graph_merge.cuh", "graph_decode_kernel.cuh")
 
 
 def csrc_dir() -> Path:

@@ -1,4 +1,4 @@
-"""pkv-graph's device-side split rule, in Python (what every CTA of csrc/graph_decode.cu computes).
+"""The graph decode's device-side split rule, in Python (what every CTA of csrc/graph_cut.cuh computes).
 
 A step's work is H * sum_r tiles(r) units (one unit = one TILE_TOKENS tile of one KV
 head); segment (r, h) holds units [H * exc_r + h * tiles_r, + tiles_r) where exc_r sums
@@ -8,7 +8,7 @@ segment inside one CTA is written directly; a segment cut across CTAs j0..j1 lea
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
 last piece otherwise) and the last CTA to finish merges them.
 
-Set-up units (`piece_cost` P > 0; PIECE_COST the default): each
+v5.9 (`piece_cost` P > 0; P = 8 the default from v5.12, measured in the model step): each
 piece also costs a set-up that its tiles do not count (block-table ids, the prologue's
 copies, the first tile's latency, the drain), so a CTA over many short segments did more
 than one over one long segment. Where
@@ -16,16 +16,12 @@ a row's segments are shorter than a CTA's range (0 < tiles(r) and tiles(r) * n <
 as above), each of them holds P set-up units in front of its tiles: the cut then shares
 tiles plus set-ups equally. n stays the tiles' (`active_ctas`); a piece of set-up units only
 is no piece; a segment's first CTA j0 is the one holding its first tile. P = 0 is the cut
-of the tiles alone, unit for unit (`Cut`).
+before, unit for unit (`Cut`).
 
-Merge mode 3 merges cut segments in a second kernel (a programmatic dependent of the decode)
-that repeats the cut: merge CTA j takes the segment holding unit lo_j when it is cut across CTAs
-j0..j1 with j > j0, and merges slice j - j0 - 1 of the j1 - j0 equal slices of that
-segment's float4 columns (`merge_jobs`). Merge mode 1 leaves a segment of at most
-CTA_MERGE_STATES states to its last CTA, so the kernel takes only the longer ones.
-Merge mode 4 (the default, GRAPH_MERGE) launches no merge kernel: a longer
-segment is merged by the last MERGE_SLICES of its CTAs to finish, one equal slice of its
-columns each (the earlier ones wait on the segment's counter for the rest; `grid_merge_roles`).
+Cut segments are merged inside the decode grid: a segment of at most CTA_MERGE_STATES
+states by its last CTA to finish, a longer one by the last MERGE_SLICES of its CTAs to
+finish, one equal slice of its columns each (the earlier ones wait on the segment's counter
+for the rest; `grid_merge_roles`).
 
 This module is the CPU oracle of that rule: `graph_schedule` turns it into a
 pkv.plan.schedule.Schedule (one queue launch, tasks in segment order) that
@@ -42,11 +38,10 @@ import numpy as np
 from pkv.plan.schedule import TILE_TOKENS, Launch, Schedule, num_tiles
 
 GRAPH_MAX_ROWS = 1024   # kGraphMaxRows in csrc/graph_decode.h
-GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (its A/B: docs/perf-notes.md)
-GRAPH_MERGE = 4         # default merge mode (pkv.engines.graph.MERGE_MODES; its A/B: docs/perf-notes.md)
-CTA_MERGE_STATES = 8    # kCtaMergeStates: merge = 1 leaves segments of more states to the merge kernel
-MERGE_SLICES = 16       # kMergeSlices: merge = 4 merges a longer segment in this many slices in the grid
-PIECE_COST = 8          # default set-up units in front of a short segment (its A/B: docs/perf-notes.md)
+GRAPH_MIN_TILES = 2     # default smallest CTA range, in tiles (its A/B: docs/log.md)
+CTA_MERGE_STATES = 8    # kCtaMergeStates: a segment of more states is merged by several of its CTAs
+MERGE_SLICES = 16       # kMergeSlices: a longer segment is merged in this many slices in the grid
+PIECE_COST = 8          # default set-up units in front of a short segment (its A/B: docs/log.md)
 MAX_PIECE_COST = 64     # kMaxPieceCost
 MAX_COUNTER_STRIDE = 32  # kMaxCounterStride: merge counters allocated per (row, KV head), in ints
 MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
@@ -54,22 +49,12 @@ MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
 
 @dataclass(frozen=True)
 class GridMerge:
-    """merge = 4's roles for one segment of more than CTA_MERGE_STATES states."""
+    """The in-grid merge's roles for one segment of more than CTA_MERGE_STATES states."""
     row: int
     kv_head: int
     ctas: tuple[int, ...]    # j0..j1, the CTAs holding its states
     late: int | None         # j1 when pieces follow in its range: counts in, never waits or merges
     slices: int              # K: the last K of the other CTAs to count in merge one slice each
-
-
-@dataclass(frozen=True)
-class MergeJob:
-    cta: int                 # merge-kernel CTA
-    row: int
-    kv_head: int
-    slots: tuple[int, ...]   # the segment's states in merge order
-    col_begin: int           # float4 columns [col_begin, col_end) of the segment's G * D / 4
-    col_end: int
 
 
 @dataclass(frozen=True)
@@ -152,7 +137,7 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
 
 
 def setup_units(tiles: np.ndarray, n: int, work: int, piece_cost: int) -> np.ndarray:
-    """Set-up units in front of each of a row's segments: piece_cost where the row's
+    """Set-up units in front of each of a row's segments (v5.9): piece_cost where the row's
     segments are shorter than a CTA's range (0 < tiles and tiles * n < work, the step's H *
     sum(tiles) over n active CTAs), else 0."""
     return np.where((tiles > 0) & (tiles * n < work), piece_cost, 0).astype(np.int64)
@@ -163,7 +148,7 @@ class Cut:
     """One step's cut as every CTA computes it: rows' tiles and set-up units, their inclusive
     sum over rows, the step's units (tiles and set-ups) and its active CTAs."""
     tiles: np.ndarray    # tiles per row
-    setup: np.ndarray    # set-up units in front of each of the row's segments
+    setup: np.ndarray    # set-up units in front of each of the row's segments (v5.9)
     inc: np.ndarray      # inclusive sum over rows of tiles + setup
     h: int
     units: int           # h * inc[-1]: what the CTA ranges share
@@ -202,37 +187,16 @@ class Cut:
         return self.cta_of(seg_begin + int(self.setup[r])), self.cta_of(seg_end - 1)
 
     def slots(self, j0: int, j1: int, seg_begin: int) -> tuple[int, ...]:
-        """A cut segment's states in merge order (csrc/graph_decode.cu's SegmentSlots): CTA j0's
+        """A cut segment's states in merge order (csrc/graph_cut.cuh's SegmentSlots): CTA j0's
         piece (slot 2 j0 when j0's range starts in the segment, else 2 j0 + 1), then 2 j for the
         later CTAs j."""
         first = 2 * j0 if self.lo(j0) >= seg_begin else 2 * j0 + 1
         return (first, *(2 * (j0 + i) for i in range(1, j1 - j0 + 1)))
 
 
-def merge_jobs(seq_lens, num_kv_heads: int, num_ctas: int, cols: int, min_tiles: int = GRAPH_MIN_TILES,
-               cta_merge_states: int = 0, piece_cost: int = PIECE_COST) -> list[MergeJob]:
-    """Merge mode 3's merge-kernel jobs, as csrc/graph_decode.cu's graph_merge_kernel finds them
-    (cols = G * D / 4 float4 columns per segment); jobs with an empty slice are left out.
-    Segments of at most `cta_merge_states` states are their last CTA's to merge (merge = 1:
-    CTA_MERGE_STATES; merge = 3: 0), not the kernel's."""
-    cut = Cut.of(seq_lens, num_kv_heads, num_ctas, min_tiles, piece_cost)
-    jobs = []
-    for j in range(1, cut.n):
-        r, head, seg_begin, seg_end = cut.segment(cut.lo(j))
-        j0, j1 = cut.ctas(r, seg_begin, seg_end)
-        if j0 >= j1 or j <= j0 or j1 - j0 + 1 <= cta_merge_states:
-            continue
-        slots = cut.slots(j0, j1, seg_begin)
-        k, slices = j - j0 - 1, j1 - j0
-        c0, c1 = k * cols // slices, (k + 1) * cols // slices
-        if c0 < c1:
-            jobs.append(MergeJob(j, r, head, slots, c0, c1))
-    return jobs
-
-
 def grid_merge_roles(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
                      piece_cost: int = PIECE_COST) -> list[GridMerge]:
-    """The in-grid merge's roles (merge = 4), as every CTA of csrc/graph_decode.cu computes
+    """The in-grid merge's roles, as every CTA of csrc/graph_decode_kernel.cuh computes
     them from the cut: for each segment cut into more than CTA_MERGE_STATES states, the late
     CTA (j1, when its range goes on past the segment's end) and the slice count
     K = min(e, MERGE_SLICES) over the e other CTAs."""

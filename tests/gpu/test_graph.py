@@ -85,62 +85,57 @@ def test_cut_options(ctas_per_sm, min_tiles):
     check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"cut {ctas_per_sm} {min_tiles}")
 
 
-@pytest.mark.parametrize("merge", [1, 0, 3, 4])
 @pytest.mark.parametrize("min_tiles", [1, 4, 8])
 @pytest.mark.parametrize("group,head_dim", [(16, 128), (1, 64), (5, 256)])
-def test_merge_paths(merge, min_tiles, group, head_dim):
-    """Every merge mode (pkv.engines.graph.MERGE_MODES): short segments by their last CTA and
-    longer ones by the merge kernel (1), the last CTA always (0), the PDL merge kernel always (3)
-    and a segment's last CTAs in the decode grid (4), over cuts of 2 to
-    hundreds of states per segment, slices wider than a merge CTA (G 16) and narrower than
-    one column per CTA (G 1, d 64)."""
-    seed = seed_of("graph-merge", merge, min_tiles, group, head_dim)
+def test_merge_paths(min_tiles, group, head_dim):
+    """The in-grid merge (a short segment by its last CTA, a long one by its last CTAs in
+    slices) over cuts of 2 to hundreds of states per segment, slices wider than a merging CTA
+    (G 16) and narrower than one column per CTA (G 1, d 64)."""
+    seed = seed_of("graph-merge", min_tiles, group, head_dim)
     rng = np.random.default_rng(seed)
     lens = [int(rng.integers(6 * K, 20 * K)), 33, int(rng.integers(1, 3 * K))]
     cache, step, q = make_case(lens, group=group, num_kv_heads=2, head_dim=head_dim, seed=seed)
-    engine = make_engine("pkv-graph", cache, min_tiles=min_tiles, merge=merge)
-    check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"merge {merge} mt {min_tiles}")
+    engine = make_engine("pkv-graph", cache, min_tiles=min_tiles)
+    check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"merge mt {min_tiles}")
 
 
 @pytest.mark.parametrize("piece_cost", [1, 3])
-@pytest.mark.parametrize("merge", [1, 4])
 @pytest.mark.parametrize("lengths", ["many-short", "one-long", "bimodal", "mixed"])
 @pytest.mark.parametrize("group,head_dim", [(4, 128), (1, 64), (8, 256)])
-def test_piece_cost(piece_cost, merge, lengths, group, head_dim):
-    """The cut with set-up units in front of short segments (docs/perf-notes.md): ranges that
+def test_piece_cost(piece_cost, lengths, group, head_dim):
+    """The cut with set-up units in front of short segments: ranges that
     start, end or lie in set-up units, segments whose first CTA is not the one holding their
-    first unit, merged in the CTA, by the merge kernel and in the grid."""
-    seed = seed_of("graph-piece-cost", piece_cost, merge, lengths, group, head_dim)
+    first unit, merged by their last CTA and by several."""
+    seed = seed_of("graph-piece-cost", piece_cost, lengths, group, head_dim)
     rng = np.random.default_rng(seed)
     lens = ([int(rng.integers(20 * K, 40 * K))] + rng.integers(1, 200, size=30).tolist() if lengths == "mixed"
             else lens_for(lengths, rng))
     cache, step, q = make_case(lens, group=group, num_kv_heads=4, head_dim=head_dim, seed=seed)
-    engine = make_engine("pkv-graph", cache, merge=merge, piece_cost=piece_cost)
+    engine = make_engine("pkv-graph", cache, piece_cost=piece_cost)
     check(run_graph(engine, step, q), reference(cache, step, q), "float16",
-          f"piece_cost {piece_cost} merge {merge} {lengths} G{group} d{head_dim}")
+          f"piece_cost {piece_cost} {lengths} G{group} d{head_dim}")
 
 
 @pytest.mark.parametrize("counter_stride,spin_ns", [(32, 0), (1, 200), (7, 50)])
 def test_in_grid_merge_counter_options(counter_stride, spin_ns):
-    """merge = 4 with its diagnosis options (counters apart, spin back-off): long cuts merged in
-    the grid, replayed, every counter rearmed."""
+    """The in-grid merge with its diagnosis options (counters apart, spin back-off): long cuts
+    merged in the grid, replayed, every counter rearmed."""
     seed = seed_of("graph-counters", counter_stride, spin_ns)
     rng = np.random.default_rng(seed)
     cache, step, q = make_case([int(rng.integers(16 * K, 40 * K)), 70, int(rng.integers(1, 3 * K))], num_kv_heads=4,
                                seed=seed)
-    engine = make_engine("pkv-graph", cache, merge=4, counter_stride=counter_stride, spin_ns=spin_ns)
+    engine = make_engine("pkv-graph", cache, counter_stride=counter_stride, spin_ns=spin_ns)
     for rep in range(2):   # the second launch finds the counters the first rearmed
         check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"counters {counter_stride} {spin_ns}")
     assert int(engine.counters.abs().sum()) == 0
 
 
-# The compute-sanitizer grid (docs/perf-notes.md): every pkv-graph path (16-bit d 64/128/256,
-# FP8 tensor and page scales, split and unsplit, page 1 and 64, merge modes 1, 0, 3 and 4, the
-# cut's set-up units under merge 1 and 4) on a
-# grid of 8 SMs' worth of CTAs; run with
+# The compute-sanitizer grid: every pkv-graph path (16-bit d 64/128/256, FP8 tensor and page
+# scales, split and unsplit, page 1 and 64, the cut with and without set-up units) on a grid of
+# 8 SMs' worth of CTAs; run with
 #   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
 #     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_graph.py -k sanitizer_grid
-# (--kernel-name keeps the tools on our two kernels: unfiltered, racecheck also reports
+# (--kernel-name keeps the tools on the graph decode kernel: unfiltered, racecheck also reports
 # torch's own reduction kernels that the checks call.)
 SANITIZER_GRID = [(d, kv, page, lens) for d in (64, 128, 256) for kv in ("auto", "tensor", "page")
                   for page in (1, 64) for lens in ((40,), (3000, 17))
@@ -152,11 +147,11 @@ def test_sanitizer_grid(head_dim, kv, page, lens):
     seed = seed_of("sanitizer", head_dim, kv, page, lens)
     cache, step, q = make_case(list(lens), group=4, num_kv_heads=2, head_dim=head_dim, page_size=page, seed=seed)
     run_cache = cache if kv == "auto" else cache.quantized(kv)
-    for merge, piece_cost in ((1, 0), (0, 0), (3, 0), (4, 0), (1, 2), (4, 2)):
-        engine = make_engine("pkv-graph", run_cache, num_sms=8, merge=merge, piece_cost=piece_cost)
+    for piece_cost in (0, 2):
+        engine = make_engine("pkv-graph", run_cache, num_sms=8, piece_cost=piece_cost)
         out = run_graph(engine, step, q)
         ref = reference(run_cache, step, q) if kv == "auto" else reference_dequantized(run_cache, step, q)
-        check(out, ref, "float16", f"sanitizer grid d{head_dim} {kv} p{page} {lens} merge {merge} pc {piece_cost}")
+        check(out, ref, "float16", f"sanitizer grid d{head_dim} {kv} p{page} {lens} pc {piece_cost}")
 
 
 def reference_dequantized(cache8, step, q):
@@ -187,15 +182,15 @@ def trace_steps(rng, num_requests, reserved, capacity, num_steps):
     return steps
 
 
-@pytest.mark.parametrize("group,head_dim,dtype,merge,piece_cost", [
-    (4, 128, "float16", 1, 0), (4, 128, "float16", 4, 0), (7, 128, "bfloat16", 1, 0), (2, 256, "float16", 4, 0),
-    (8, 64, "float16", 1, 0), (4, 128, "float16", 4, 1), (4, 128, "float16", 1, 2)])
-def test_graph_replay_over_a_trace(group, head_dim, dtype, merge, piece_cost):
-    seed = seed_of("replay", group, head_dim, dtype, merge, *([piece_cost] if piece_cost else []))
+@pytest.mark.parametrize("group,head_dim,dtype,piece_cost", [
+    (4, 128, "float16", 0), (7, 128, "bfloat16", 0), (2, 256, "float16", 0), (8, 64, "float16", 0),
+    (4, 128, "float16", 1), (4, 128, "float16", 2)])
+def test_graph_replay_over_a_trace(group, head_dim, dtype, piece_cost):
+    seed = seed_of("replay", group, head_dim, dtype, *([piece_cost] if piece_cost else []))
     cache, steps = replay_case(seed, Shape(group * 4, 4, head_dim, 16, dtype))
     replay_and_check(cache, steps, seed,
                      lambda t, out, step, q: check(out, reference(cache, step, q), dtype, f"replay step {t}"),
-                     merge=merge, piece_cost=piece_cost)
+                     piece_cost=piece_cost)
 
 
 REPLAY_CAPACITY = 12
@@ -210,11 +205,11 @@ def replay_case(seed, shape):
     return cache, trace_steps(rng, len(reserved), reserved, REPLAY_CAPACITY, 16)
 
 
-def replay_and_check(cache, steps, seed, check_step, merge=1, piece_cost=0):
+def replay_and_check(cache, steps, seed, check_step, piece_cost=0):
     """Capture pkv-graph once at the bucket, then replay it for every step with fresh queries
     and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step. Every merge
     counter is rearmed (zero) after the last replay."""
-    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, merge=merge, piece_cost=piece_cost)
+    engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, piece_cost=piece_cost)
     q_static = cache.query(REPLAY_CAPACITY, seed)
     plan = engine.prepare(steps[0], rows=REPLAY_CAPACITY)
     engine.run(q_static, plan)
