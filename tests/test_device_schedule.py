@@ -174,7 +174,7 @@ def test_piece_cost_leaves_steps_of_long_segments_alone(lens):
 
 @pytest.mark.parametrize("name", ["B8 bimodal 512/24K", "1x32K + 31 short", "B16 uniform 1-8K", "1x128K + 7x1K"])
 def test_piece_cost_evens_tiles_plus_pieces(name):
-    """What v5.9 is for (docs/perf-notes.md): with a set-up of one tile a piece, the busiest
+    """What set-up units are for (docs/perf-notes.md): with a set-up of one tile a piece, the busiest
     CTA's tiles + pieces come closer to the mean than the tiles-only cut leaves them."""
     from pkv.bench.kernels import ragged
 

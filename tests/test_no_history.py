@@ -1,11 +1,11 @@
-"""No history in the code: every .py file under pkv/ and tests/ says what the code does today,
-never which version, issue or commit it came from (history lives in git, in results/ and in
-the dated log under docs/).
+"""No history in the code: every .py file under pkv/ and tests/, and every comment in csrc/,
+says what the code does today, never which version, issue or commit it came from (history
+lives in git, in results/ and in the dated log under docs/).
 
 What counts, and what is left alone (false positives a plain grep would raise):
 - a version tag: `v` and digits, dotted or not, as a word of its own ("v4", "v5.12", "Router
   v4.3"). `kv4` or `v4_x` are not words of their own; "V100" and "H100" start with another letter.
-- an issue tag: "issue 23", "Issue #13", "issues 12, 23".
+- an issue tag: "issue 23", "Issue #13", "issues 12, 23"; in a csrc comment also "#22".
 - a commit hash: a word of 7 to 40 hex digits holding both a digit and a letter a-f. Numbers,
   seeds and dates are digits only (20260622, 1.25, 2023-11-16); words such as "deadbeef" or
   "facade" are letters only; a sha256 computed in code is 64 digits long, longer than any
@@ -27,6 +27,11 @@ VERSION = re.compile(r"\bv\d+(?:\.\d+)*\b")
 ISSUE = re.compile(r"\b[Ii]ssues? ?#?\d+")
 COMMIT = re.compile(r"\b(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
 PATTERNS = (VERSION, ISSUE, COMMIT)
+# csrc/: only comments are read (an asm string such as "ld.global.nc.v4.u32" is code), and
+# a bare "#22" there is an issue number (no preprocessor line puts a digit after #).
+CSRC_SUFFIXES = (".cu", ".cuh", ".h", ".cpp")
+CSRC_ISSUE = re.compile(r"(?<![\w&])#\d+\b")
+COMMENT = re.compile(r"//[^\n]*|/\*.*?\*/", re.DOTALL)
 
 ALLOWED = {
     # An external trace's file name and the identity derived from it: test data, not a tag.
@@ -51,6 +56,16 @@ def tags(text: str, allowed: tuple[str, ...] = ()) -> list[tuple[int, str]]:
         for ok in allowed:
             line = line.replace(ok, "")
         found += [(number, m.group(0)) for pattern in PATTERNS for m in pattern.finditer(line)]
+    return found
+
+
+def comment_tags(source: str) -> list[tuple[int, str]]:
+    """(line number, match) of every tag in the C++/CUDA comments of `source`."""
+    found = []
+    for c in COMMENT.finditer(source):
+        first = source.count("\n", 0, c.start()) + 1
+        found += [(first + n - 1, m) for n, m in tags(c.group(0))]
+        found += [(first + c.group(0).count("\n", 0, m.start()), m.group(0)) for m in CSRC_ISSUE.finditer(c.group(0))]
     return found
 
 
@@ -87,3 +102,17 @@ def test_no_version_issue_or_commit_tag_in_pkv_or_tests():
         found += [f"{rel}:{n}: {m}" for n, m in hits]
     assert not found, "history in the code (it belongs in git and docs/):\n" + "\n".join(found)
     assert not pending_clean, f"no tag left in {pending_clean}: take them out of PENDING"
+
+
+@pytest.mark.parametrize("source,marks", [
+    ("// v5.12: the set-up units\nint x;", 1), ("int x;  // Router v4.4", 1), ("/* measured at 0a3a33c */", 1),
+    ("// issue 46 and #22", 2), ('asm("ld.global.nc.v4.u32 %0;");  // four words', 0),
+    ("constexpr float k = 0.693147180559945309f;  // ln 2, float4 loads", 0), ("#include <cuda.h>", 0)])
+def test_csrc_comments_are_read_for_tags_and_code_is_not(source, marks):
+    assert len(comment_tags(source)) == marks
+
+
+def test_no_version_issue_or_commit_tag_in_csrc_comments():
+    found = [f"csrc/{p.name}:{n}: {m}" for p in sorted((ROOT / "csrc").iterdir()) if p.suffix in CSRC_SUFFIXES
+             for n, m in comment_tags(p.read_text())]
+    assert not found, "history in csrc/'s comments (it belongs in git and docs/):\n" + "\n".join(found)

@@ -90,7 +90,7 @@ class GraphEngine(Engine):
         self.min_tiles = min_tiles
         if not 0 <= piece_cost <= MAX_PIECE_COST:
             raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a short segment's piece costs in "
-                             f"the cut (v5.9; 0: tiles only), got {piece_cost}")
+                             f"the cut (0: tiles only), got {piece_cost}")
         self.piece_cost = int(piece_cost)
         # The in-grid merge's diagnosis options (csrc/graph_merge.cuh, spin_pause): where the
         # segments' counters sit (ints apart) and the mergers' spin back-off (ns a poll).

@@ -8,7 +8,7 @@ segment inside one CTA is written directly; a segment cut across CTAs j0..j1 lea
 partial state per CTA (slot 2j for the piece that starts CTA j's range, 2j + 1 for its
 last piece otherwise) and the last CTA to finish merges them.
 
-v5.9 (`piece_cost` P > 0; P = 8 the default from v5.12, measured in the model step): each
+Set-up units (`piece_cost` P > 0; PIECE_COST the default): each
 piece also costs a set-up that its tiles do not count (block-table ids, the prologue's
 copies, the first tile's latency, the drain), so a CTA over many short segments did more
 than one over one long segment. Where
@@ -16,7 +16,7 @@ a row's segments are shorter than a CTA's range (0 < tiles(r) and tiles(r) * n <
 as above), each of them holds P set-up units in front of its tiles: the cut then shares
 tiles plus set-ups equally. n stays the tiles' (`active_ctas`); a piece of set-up units only
 is no piece; a segment's first CTA j0 is the one holding its first tile. P = 0 is the cut
-before, unit for unit (`Cut`).
+of the tiles alone, unit for unit (`Cut`).
 
 Cut segments are merged inside the decode grid: a segment of at most CTA_MERGE_STATES
 states by its last CTA to finish, a longer one by the last MERGE_SLICES of its CTAs to
@@ -137,7 +137,7 @@ def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = 
 
 
 def setup_units(tiles: np.ndarray, n: int, work: int, piece_cost: int) -> np.ndarray:
-    """Set-up units in front of each of a row's segments (v5.9): piece_cost where the row's
+    """Set-up units in front of each of a row's segments: piece_cost where the row's
     segments are shorter than a CTA's range (0 < tiles and tiles * n < work, the step's H *
     sum(tiles) over n active CTAs), else 0."""
     return np.where((tiles > 0) & (tiles * n < work), piece_cost, 0).astype(np.int64)
@@ -148,7 +148,7 @@ class Cut:
     """One step's cut as every CTA computes it: rows' tiles and set-up units, their inclusive
     sum over rows, the step's units (tiles and set-ups) and its active CTAs."""
     tiles: np.ndarray    # tiles per row
-    setup: np.ndarray    # set-up units in front of each of the row's segments (v5.9)
+    setup: np.ndarray    # set-up units in front of each of the row's segments
     inc: np.ndarray      # inclusive sum over rows of tiles + setup
     h: int
     units: int           # h * inc[-1]: what the CTA ranges share
