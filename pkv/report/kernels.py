@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 
 from pkv.core.units import K
-from pkv.engines.table import flashinfer
+from pkv.engines.table import PLAN_FREE, flashinfer
 from pkv.core import io
-ENGINE = "pkv-graph"
+ENGINE = PLAN_FREE
 
 
 def pools_note(meta: dict) -> str:
