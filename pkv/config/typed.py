@@ -27,6 +27,7 @@ from typing import Mapping, Optional
 from pkv.config.resolve import ConfigError
 from pkv.config.stages import external_identity
 from pkv.core.families import FAMILIES
+from pkv.engines.table import ROUTER
 
 
 @dataclass(frozen=True)
@@ -182,7 +183,7 @@ class Ablations:
     kv_fp8: Optional[KvFp8] = None   # optional: pkv.measure.stages.KV_FP8 when absent
 
 
-MLP_PROXY_ENGINES = ("adaptive",)   # mlp_proxy.engines where the config names none
+MLP_PROXY_ENGINES = (ROUTER,)   # mlp_proxy.engines where the config names none
 
 
 @dataclass(frozen=True)

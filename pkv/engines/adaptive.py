@@ -24,7 +24,7 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.plan.costmodel import GRAPH, Constants, Router
-from pkv.engines.table import ROUTER, pkv_engines, pkv_routes
+from pkv.engines.table import pkv_engines, pkv_routes
 from pkv.engines.base import Engine, Plan
 from pkv.core.harness import StepState
 from pkv.plan.schedule import SplitPolicy
@@ -40,8 +40,6 @@ class AdaptivePlan(Plan):
 
 
 class AdaptiveEngine(Engine):
-    name = ROUTER
-
     def __init__(self, cache: PagedCache, constants: Constants, point: str, validate: bool = True,
                  cache_decisions: bool = True, objective: str = "serial"):
         from pkv.engines import make_engine  # the registry imports this module

@@ -21,7 +21,9 @@ def build(name: str, cache, policy=None, **options):
     if not cache.kv.is_cuda and not e.cpu:
         raise ValueError(f"engine {name!r} needs a CUDA device; on the CPU use one of "
                          f"{sorted(n for n in cpu_engines() if not is_router(n))}")
-    return importlib.import_module(e.module).build(name, e, cache, policy, **options)
+    engine = importlib.import_module(e.module).build(name, e, cache, policy, **options)
+    engine.name = name          # an engine is named by its row, the one place a name is defined
+    return engine
 
 
 def no_policy(name: str, policy) -> None:

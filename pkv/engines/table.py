@@ -131,6 +131,13 @@ def pkv_routes() -> dict[str, str]:
     return {n: e.kind for n, e in ENGINES.items() if e.route}
 
 
+def route_key(name: str) -> str:
+    """The key the cost model's constants file an engine's times under: a router route's kind
+    (pkv_routes: "workqueue", "bucket", "graph"), any other engine's name (the baselines)."""
+    e = ENGINES.get(name)
+    return e.kind if e is not None and e.route else name
+
+
 def fp8_readers() -> tuple[str, ...]:
     return tuple(n for n, e in ENGINES.items() if e.fp8)
 
@@ -147,6 +154,13 @@ def cpu_engines() -> tuple[str, ...]:
 def fp8_kernels() -> tuple[str, ...]:
     """The FP8 readers with a CUDA kernel (the FP8 kernel benchmark's engines): all but the reference."""
     return tuple(n for n in fp8_readers() if ENGINES[n].family != "reference")
+
+
+def persistentkv(spec: str) -> bool:
+    """Whether an engine label ("pkv-workqueue", "pkv-masked:row_local=false") is one of this
+    project's kernels (family pkv or pkv-graph); a label of no engine (vllm) is not."""
+    e = ENGINES.get(spec.partition(":")[0])
+    return e is not None and e.family in ("pkv", "pkv-graph")
 
 
 def is_router(spec: str) -> bool:

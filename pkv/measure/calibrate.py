@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.engines.table import PLAN_FREE, pkv_engines, pkv_routes
+from pkv.engines.table import PLAN_FREE, pkv_engines, pkv_routes, route_key
 from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
 from pkv.measure.loop import Job, measure
 from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin, with_device_scale
@@ -313,7 +313,7 @@ def fit_host_s(frame: pd.DataFrame) -> dict:
     out = {}
     for engine, rows in frame[frame["cuda_s"].notna()].groupby("engine", sort=True):
         rows = replayed(rows)
-        out[engine.removeprefix("pkv-")] = float(np.median(np.clip(rows["wall_s"].to_numpy() - device_s(rows), 0.0, None)))
+        out[route_key(engine)] = float(np.median(np.clip(rows["wall_s"].to_numpy() - device_s(rows), 0.0, None)))
     return out
 
 

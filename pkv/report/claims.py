@@ -136,7 +136,7 @@ def _fi(d: Data) -> Callable[[str], bool]:
 
 def _pkv(engine: str) -> bool:
     """PersistentKV, auto split: every pkv engine and split of the grid."""
-    return engine.startswith("pkv-")
+    return table.persistentkv(engine)
 
 
 def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv, den_pick: Callable[[str], bool] | None = None) -> Measure:
@@ -147,7 +147,7 @@ def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv, den_pic
         b = _isolated_best(d, context, den_pick or _fi(d))
         if a is None or b is None:
             return None
-        name = lambda x: x[1] + (f"/s{x[2]}" if x[1].startswith("pkv-") else "")   # noqa: E731
+        name = lambda x: x[1] + (f"/s{x[2]}" if table.persistentkv(x[1]) else "")   # noqa: E731
         return a[0] / b[0], f"{num(a[0] / b[0])} ({name(a)} {a[0] * 1e3:.4f} ÷ {name(b)} {b[0] * 1e3:.4f} ms)"
     return measure
 

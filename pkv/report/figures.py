@@ -185,7 +185,7 @@ def latency_vs_context(frame: pd.DataFrame, smoke: bool) -> bytes:
     base = rep.baselines(frame)
     fastest = best[best["engine"].isin(base)].groupby("max_len", observed=True)["device_ms"].min()
     best["speedup"] = best["max_len"].map(fastest) / best["device_ms"]
-    best["engine"] = [e + " (auto split)" if e.startswith("pkv-") else e for e in best["engine"]]
+    best["engine"] = [e + " (auto split)" if table.persistentkv(e) else e for e in best["engine"]]
     timing = "CUDA-graph replay" if f["graph_s"].notna().any() else "CUDA events" if f["cuda_s"].notna().any() else "wall"
     engines = sorted(best["engine"].unique())
     palette = dict(zip(engines, sns.color_palette(n_colors=len(engines))))

@@ -94,7 +94,7 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
 def table(frame: pd.DataFrame, meta: dict) -> str:
     s = summary(frame)
     fi = [e for e in flashinfer() if e in s]
-    head = ["case", "pkv-graph µs", "% roofline", *[f"{e} µs" for e in fi], "ratio"]
+    head = ["case", f"{ENGINE} µs", "% roofline", *[f"{e} µs" for e in fi], "ratio"]
     lines = [
         "# Decode kernels: PersistentKV pkv-graph against FlashInfer (device time)",
         "",

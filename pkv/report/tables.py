@@ -112,7 +112,7 @@ def t_isolated(raw: Raw) -> pd.DataFrame:
     rows = []
     contexts = sorted(med["context"].unique())
     for engine, g in med.groupby("engine", sort=True, observed=True):
-        if engine.startswith("pkv-"):
+        if table.persistentkv(engine):
             # Auto split: the best split of the grid per context (the paper's autotuned row).
             best = g.loc[g.groupby("context")["device_s"].idxmin()].set_index("context")
             row = {"Method": f"{engine}, auto split"}
