@@ -101,6 +101,18 @@ def test_route_keys_and_frozen_splits():
     assert table.info(table.the(merge="fused")).split_route == table.info(table.WORKQUEUE).kind
     assert table.info(table.the(buckets="masked")).split_route == table.info(table.the(buckets="exact")).kind
 
+def test_every_route_and_baseline_has_its_paper_name():
+    """The claims name a router's routes as the paper does; a baseline or route row without
+    that name would show a raw label where the paper's words are compared."""
+    from pkv.report.claims import route_kind
+
+    for name in (table.REFERENCE, *table.baselines(), *table.pkv_routes()):
+        assert table.info(name).paper_route, name
+    assert route_kind("pkv-bucket/s8") == "PersistentKV bucket" and route_kind("flashinfer-tc") == "FlashInfer"
+    assert route_kind(f"{table.WORKQUEUE}/s16 (forced)") == "PersistentKV workqueue"
+    assert route_kind("pkv-masked/s4") == "pkv-masked" and route_kind("vllm") == "vllm"
+
+
 def test_persistentkv_labels():
     assert table.persistentkv("pkv-masked:row_local=false") and table.persistentkv(table.PLAN_FREE)
     assert not any(table.persistentkv(n) for n in ("flashinfer", "sdpa-repack", "adaptive", "vllm-paged", ""))

@@ -78,10 +78,8 @@ def route_kind(route: str) -> str:
     """A route's kind as the paper names routes (FlashInfer, PersistentKV bucket, workqueue
     or graph: the engine row's paper_route), from the route's label ("pkv-bucket/s8")."""
     engine = route.split("/")[0].split(" ")[0]
-    for name in sorted(table.ENGINES, key=len, reverse=True):   # the longest engine name the label starts with
-        if engine.startswith(name) and table.ENGINES[name].paper_route:
-            return table.ENGINES[name].paper_route
-    return engine
+    row = table.ENGINES.get(engine.partition(":")[0])
+    return row.paper_route if row is not None and row.paper_route else engine
 
 
 # ---------------------------------------------------------------- this run's numbers
