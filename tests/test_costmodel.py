@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from pkv.plan.costmodel import (Constants, RouteCost, baseline_cost, bucket_cost, choose, eligible, estimate,
                            workqueue_cost)
-from pkv.engines import make_engine
+from pkv.engines import make_engine, table
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.plan.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
@@ -187,7 +187,7 @@ def test_constants_reject_nonsense():
         dataclasses.replace(H200_LIKE, host_s={"flashinfer": -1e-6})
     with pytest.raises(ValueError, match="no frozen operating point"):
         H200_LIKE.split("zipf-b8", "workqueue")
-    assert H200_LIKE.split("bucketed-b1", "fused") == 32
+    assert H200_LIKE.split("bucketed-b1", table.info("pkv-fused").split_route) == 32
 
 
 # ---------------------------------------------------------------- the adaptive engine on the CPU

@@ -102,47 +102,90 @@ def test_graph_entry():
 
 
 NEW_ENGINE = """
-from pkv.engines.cpu import ReferenceEngine
+import torch
+
+from pkv.engines.base import Engine, Plan
+
+
+class PaddedEngine(Engine):
+    \"\"\"Every row's pages padded to the longest row's, one masked batched softmax over them.\"\"\"
+
+    def prepare(self, step):
+        self.check_step(step)
+        width = -(-int(max(step.seq_lens)) // self.cache.shape.page_size)
+        return Plan(step, self.name, 1, None), (self.cache.block_table[torch.as_tensor(step.request_ids), :width],
+                                                 torch.as_tensor(step.seq_lens))
+
+    def run(self, q, plan, layer=None):
+        (plan, (pages, lens)), s = plan, self.cache.shape
+        kv = self.layer(layer).values()[pages.long()].float()   # [B, pages, 2, H_kv, P, D]
+        k, v = (kv[:, :, i].permute(0, 2, 1, 3, 4).flatten(2, 3) for i in (0, 1))   # [B, H_kv, L, D]
+        qg = q.float().view(q.shape[0], s.num_kv_heads, -1, s.head_dim)
+        scores = torch.einsum("bhgd,bhld->bhgl", qg, k) / s.head_dim ** 0.5
+        mask = torch.arange(k.shape[2])[None, :] >= lens[:, None]
+        p = scores.masked_fill(mask[:, None, None, :], float("-inf")).softmax(-1)
+        return torch.einsum("bhgl,bhld->bhgd", p, v).reshape(q.shape).to(q.dtype)
 
 
 def build(name, info, cache, policy=None, **options):
-    return ReferenceEngine(cache, **options)
+    from pkv.engines.registry import check_options, no_policy
+
+    no_policy(name, policy)
+    check_options(name, options, info.options)
+    return PaddedEngine(cache, **options)
 """
 
 
 def test_a_new_engine_is_one_row_and_a_module(tmp_path, monkeypatch):
-    """A row in the table and a module of its own: the schema, the CLI's choices, the
-    report's name lists and make_engine all find it, with no other edit."""
+    """A new family of its own kind (a padded dense torch engine) is one row in the table
+    and one module: the schema's pattern, the CLI's choices and default, the report's route
+    kinds and make_engine all find it, with no other edit."""
     import sys
 
-    from pkv.bench import host
+    import torch
+
     from pkv.cli.main import build_parser
     from pkv.config.resolve import ConfigError, load_schema, validate_config
-    from pkv.report import ratios
+    from pkv.core.harness import StepState
+    from pkv.report.claims import route_kind
 
-    (tmp_path / "my_engine.py").write_text(NEW_ENGINE)
+    (tmp_path / "padded_engine.py").write_text(NEW_ENGINE)
     monkeypatch.syspath_prepend(str(tmp_path))
-    row = table.EngineInfo("flashinfer", "decode", "a new baseline", "my_engine", cpu=True, baseline=True)
-    monkeypatch.setitem(table.ENGINES, "my-engine", row)
-    sys.modules.pop("my_engine", None)
+    sys.modules.pop("padded_engine", None)
+    row = table.EngineInfo("padded", "dense-mask", "every row padded to the longest, one masked softmax",
+                           "padded_engine", cpu=True, options=("validate",), paper_route="padded dense")
+    monkeypatch.setitem(table.ENGINES, "padded-dense", row)
 
     cfg = yaml.safe_load(open("config.yaml"))
-    cfg["baselines"] = ["flashinfer", "my-engine"]
-    validate_config(cfg, load_schema())                      # the schema takes its name
-    cfg["baselines"] = ["flashinfer", "my-engine2"]
-    with pytest.raises(ConfigError, match="baselines"):
+    cfg["isolated"]["engines"] = [*cfg["isolated"]["engines"], "padded-dense:validate=false"]
+    validate_config(cfg, load_schema())                      # the schema's pattern takes its spec
+    cfg["isolated"]["engines"][-1] = "padded-denser"
+    with pytest.raises(ConfigError, match="isolated.engines"):
         validate_config(cfg, load_schema())
-    bench_host = build_parser("bench")._subparsers._group_actions[0].choices["bench"]
-    host_parser = bench_host._subparsers._group_actions[0].choices["host"]
+    assert table.parse_spec("padded-dense:validate=false") == ("padded-dense", {"validate": False})
+    with pytest.raises(ValueError, match="takes no option 'splits'"):
+        table.parse_spec("padded-dense:splits=4")
+    bench = build_parser("bench")._subparsers._group_actions[0].choices["bench"]
+    host_parser = bench._subparsers._group_actions[0].choices["host"]
     engines = next(a for a in host_parser._actions if a.dest == "engines")
-    assert "my-engine" in engines.choices and "my-engine" in engines.default   # the CLI's choices
-    assert "my-engine" in table.baselines() and "my-engine" in table.flashinfer()
-    frame = __import__("pandas").DataFrame({"engine": ["my-engine", "pkv-graph"]})
-    assert ratios.baselines(frame) == ["my-engine"]          # the report's name lists
+    assert "padded-dense" in engines.choices and "padded-dense" in engines.default   # the CLI's choices
+    assert table.names("padded") == ("padded-dense",) and "padded-dense" in table.cpu_engines()
+    assert "padded-dense" not in (*table.baselines(), *table.pkv_routes(), *table.flashinfer(), *table.fp8_readers())
+    assert not table.persistentkv("padded-dense") and not table.is_router("padded-dense")
+    assert route_kind("padded-dense") == "padded dense"     # the report's route kinds
+
     shape = Shape(8, 2, 16, 4)
-    cache = PagedCache.random(shape, assign_pages(np.array([40]), 4, 0.0, 0))
-    assert type(make_engine("my-engine", cache)).__name__ == "ReferenceEngine"
-    assert host is not None
+    cache = PagedCache.random(shape, assign_pages(np.array([40, 13, 27]), 4, 0.5, 0))
+    engine = make_engine("padded-dense", cache)
+    assert type(engine).__name__ == "PaddedEngine" and engine.name == "padded-dense"   # named by its row
+    step = StepState(0, np.array([2, 0, 1]), np.array([27, 40, 9], dtype=np.int32))
+    q = torch.randn(3, shape.num_qo_heads, shape.head_dim).to(torch.float16)
+    plan = engine.prepare(step)
+    assert plan[0].route == "padded-dense"
+    reference = make_engine(table.REFERENCE, cache)
+    torch.testing.assert_close(engine.run(q, plan), reference.run(q, reference.prepare(step)), atol=2e-3, rtol=2e-3)
+    with pytest.raises(ValueError, match="no SplitPolicy"):
+        make_engine("padded-dense", cache, SplitPolicy(4))
 
 
 NEW_RUNNER = """

@@ -61,13 +61,13 @@ def make_steps(batch: int, steps: int, min_len: int, max_len: int, seed: int) ->
 
 
 def build(name: str, cache: PagedCache, k: Constants | None, point: str | None):
-    if name == "adaptive":
+    if table.is_router(name):
         if k is None:
-            raise ValueError("adaptive needs --constants")
-        return make_engine("adaptive", cache, constants=k, point=point)
+            raise ValueError(f"{name} needs --constants")
+        return make_engine(name, cache, constants=k, point=point)
     if table.family(name) == "pkv":
         if k is not None and point is not None:
-            policy = SplitPolicy(k.split(point, table.ENGINES[name].kind), k.min_tiles_per_split)
+            policy = SplitPolicy(k.split(point, table.info(name).split_route), k.min_tiles_per_split)
         else:
             policy = None
         options = {} if cache.kv.is_cuda else {"num_sms": k.sm_count if k else 1}
@@ -135,7 +135,7 @@ def raw_plan(engine, steps: list[StepState], cuda: bool) -> dict:
         sync("cuda" if cuda else "cpu")
         clock = HostClock()
         flashinfer_plan(engine.wrapper, s, indptr, indices, last, seq_lens=lens,
-                        qo_indptr=qo_indptr if engine.name == "flashinfer-persistent" else None)
+                        qo_indptr=qo_indptr if table.info(engine.name).kind == "persistent" else None)
         plans.append(clock.stop())
         sync("cuda" if cuda else "cpu")
     return {"raw_plan_us": 1e6 * statistics.median(plans), "view_us": 1e6 * statistics.median(views)}
@@ -161,7 +161,7 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
             try:
                 engine = build(name, cache, k, point)
                 row = {**base, **host_path_medians(engine, trace_steps, q, cuda), "error": ""}
-                if table.family(name) == "flashinfer":
+                if name in table.flashinfer():
                     row.update(raw_plan(engine, trace_steps, cuda))
                     row["bar_us"] = BAR_FACTOR * row["raw_plan_us"] + BAR_US
                     row["meets_bar"] = bool(row["prepare_us"] <= row["bar_us"])

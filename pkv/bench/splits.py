@@ -29,7 +29,7 @@ from pkv.core.units import K
 from pkv.measure.timing import HostClock, events_us, graph_us_per_call
 
 PKV_ENGINES = table.names("pkv")
-BASELINES = table.names("flashinfer", "sdpa")
+BASELINES = (*table.flashinfer(), *table.names("sdpa"))
 SPLIT_CANDIDATES = (4, 8, 12, 16, 24, 33, 48, 66)
 
 

@@ -40,8 +40,6 @@ class AdaptivePlan(Plan):
 
 
 class AdaptiveEngine(Engine):
-    name = "adaptive"
-
     def __init__(self, cache: PagedCache, constants: Constants, point: str, validate: bool = True,
                  cache_decisions: bool = True, objective: str = "serial"):
         from pkv.engines import make_engine  # the registry imports this module

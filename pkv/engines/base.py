@@ -42,7 +42,7 @@ class Engine(ABC):
     inside it, for every engine alike (pkv.measure.loop).
     """
 
-    name: str = "engine"
+    name: str = "engine"    # its row's key in pkv.engines.table (set by pkv.engines.registry.build)
 
     def __init__(self, cache: PagedCache, validate: bool = True):
         self.cache = cache

@@ -8,6 +8,7 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
+from pkv.engines.table import REFERENCE
 from pkv.core.harness import StepState
 from pkv.kernels.reference import attention_reference, run_schedule
 from pkv.plan.schedule import Schedule, SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
@@ -23,12 +24,11 @@ class TablePlan(Plan):
 class ReferenceEngine(Engine):
     """Eq. 1 in FP32, one row at a time."""
 
-    name = "reference"
-
     def prepare(self, step: StepState) -> TablePlan:
         self.check_step(step)
         ids = torch.as_tensor(step.request_ids, device=self.cache.device)
-        return TablePlan(step, "reference", step.active, None, self.cache.block_table[ids], torch.as_tensor(step.seq_lens))
+        return TablePlan(step, self.name, step.active, None, self.cache.block_table[ids],
+                         torch.as_tensor(step.seq_lens))
 
     def run(self, q: torch.Tensor, plan: TablePlan, layer: PagedCache | None = None) -> torch.Tensor:
         self.check_query(q, plan)
@@ -54,7 +54,6 @@ class TaskListEngine(Engine):
         # early_exit changes only how the kernels spend time, not the math executed here.
         self.kind, self.policy, self.row_local, self.num_sms = kind, policy, row_local, num_sms
         self.indexed_qo, self.early_exit = indexed_qo, early_exit
-        self.name = f"pkv-{kind}"
 
     def prepare(self, step: StepState) -> TablePlan:
         self.check_step(step)
@@ -73,7 +72,7 @@ class TaskListEngine(Engine):
 
 def build(name, info, cache, policy=None, **options):
     """The reference (any device), or a pkv-* engine's task-list stand-in on a CPU cache."""
-    if info.family == "reference":
+    if name == REFERENCE:
         return ReferenceEngine(cache, **options)
     from pkv.plan.schedule import SplitPolicy
 

@@ -9,6 +9,7 @@ import torch
 from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import num_sms
+from pkv.engines.table import info
 from pkv.core.harness import StepState
 from pkv.core.paging import flashinfer_view
 from pkv.core.validate import check_kv
@@ -68,11 +69,12 @@ class FlashInferEngine(Engine):
         self._workspace = workspace(cache.device)
         self._qo_indptr = torch.arange(cache.assignment.num_requests + 1, dtype=torch.int32)
         self._views: dict[int, tuple] = {}
-        if name == "flashinfer-persistent":
+        self.persistent = info(name).kind == "persistent"   # BatchAttention: its plan takes a qo_indptr
+        if self.persistent:
             self.wrapper = flashinfer.BatchAttention(kv_layout="HND", device=str(cache.device))
         else:
             self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                self._workspace, "HND", use_tensor_cores=name == "flashinfer-tc")
+                self._workspace, "HND", use_tensor_cores=info(name).tensor_cores)
 
     def view(self, step: StepState) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(host indptr, device page ids, host last_page_len, host seq_lens) of `step`."""
@@ -91,7 +93,7 @@ class FlashInferEngine(Engine):
         self.check_step(step)
         indptr, indices, last, lens = self.view(step)
         # The persistent kernel's plan reads host indptr/lengths and device page ids.
-        qo = self._qo_indptr[:step.active + 1] if self.name == "flashinfer-persistent" else None
+        qo = self._qo_indptr[:step.active + 1] if self.persistent else None
         plan(self.wrapper, self.cache.shape, indptr, indices, last, seq_lens=lens, qo_indptr=qo)
         return Plan(step, self.name, 1, None)
 

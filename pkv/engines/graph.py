@@ -72,8 +72,6 @@ class GraphPlan(Plan):
 
 
 class GraphEngine(Engine):
-    name = "pkv-graph"
-
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
                  min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None,
                  piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0):
@@ -126,7 +124,7 @@ class GraphEngine(Engine):
         b = step.active
         rows = b if rows is None else int(rows)
         if not b <= rows <= self.max_rows:
-            raise ValueError(f"pkv-graph: a step of {b} rows padded to {rows} exceeds its capacity of "
+            raise ValueError(f"{self.name}: a step of {b} rows padded to {rows} exceeds its capacity of "
                              f"{self.max_rows} rows (or is padded below its size)")
         pad = self._zeros[:rows - b]
         self._staging.upload([step.seq_lens, pad, step.request_ids, pad], out=self.meta)
@@ -134,7 +132,7 @@ class GraphEngine(Engine):
 
     def run(self, q: torch.Tensor, plan: GraphPlan, layer: PagedCache | None = None) -> torch.Tensor:
         if q.shape[0] != plan.rows:
-            raise ValueError(f"pkv-graph: q has {q.shape[0]} rows, the plan {plan.rows}")
+            raise ValueError(f"{self.name}: q has {q.shape[0]} rows, the plan {plan.rows}")
         c = self.layer(layer)
         out = torch.empty_like(q)
         if self.gpu:

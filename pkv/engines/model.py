@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState, step_seed
 from pkv.core.shape import Shape
-from pkv.engines.table import runners
+from pkv.engines.table import RUNNERS, runners
 
 RMS_EPS = 1e-5
 # The runner sets, from the one table of runners (pkv.engines.table.RUNNERS).
@@ -153,8 +153,13 @@ class Runner:
     returns the final hidden state (bucket rows for graph runners, B rows otherwise).
     """
 
-    name = "runner"
+    name = "runner"          # a class of a RUNNERS row is named by that row (__init_subclass__)
     launch_kind = "eager"
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        path = f"{cls.__module__}:{cls.__qualname__}"
+        cls.name = next((n for n, r in RUNNERS.items() if r.runner == path), cls.name)
 
     def __init__(self, model: DecoderModel, caches: list[PagedCache], xs: dict[int, torch.Tensor]):
         if len(caches) != model.shape.layers:
@@ -209,8 +214,6 @@ class EngineRunner(Runner):
 
 class ReferenceRunner(Runner):
     """Each layer's FP32 attention over its own cache (dequantized when FP8), on the B rows."""
-
-    name = "reference"
 
     def prepare(self, step, bucket):
         self.rows = (self.cache.block_table[torch.as_tensor(step.request_ids)],

@@ -82,7 +82,6 @@ def _resolved(wrapper) -> str:
 
 
 class FlashInferGraphRunner(GraphRunner):
-    name = "flashinfer-graph"
     takes_buckets = True
 
     def __init__(self, model, caches, xs, buckets):
@@ -111,7 +110,6 @@ class FlashInferGraphRunner(GraphRunner):
 
 
 class FlashInferEagerRunner(Runner):
-    name = "flashinfer-eager"
     takes_buckets = True
 
     def __init__(self, model, caches, xs, buckets):

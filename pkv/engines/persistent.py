@@ -17,7 +17,7 @@ from pkv.core.cache import PagedCache
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging, num_sms
 from pkv.engines.cpu import build_schedule
-from pkv.engines.table import pkv_engines
+from pkv.engines.table import info, pkv_engines
 from pkv.core.harness import StepState
 from pkv.plan.schedule import (Counters, Schedule, SplitPolicy, slot_bytes, slot_floats, split_bounds,
                           workqueue_row_splits)
@@ -154,7 +154,7 @@ class PkvEngine(Engine):
             raise ValueError(f"{name} supports head_dim 64 and 128, got {s.head_dim}")
         if s.group not in GROUPS:
             raise ValueError(f"{name} supports GQA group sizes {', '.join(map(str, GROUPS))}, got {s.group}")
-        self.name, self.kind, self.fused = name, pkv_engines()[name], name == "pkv-fused"
+        self.name, self.kind, self.fused = name, pkv_engines()[name], info(name).merge == "fused"
         self.policy = policy or default_policy(cache)
         if self.policy.splits > MAX_SPLITS:
             raise ValueError(f"{name} supports at most {MAX_SPLITS} splits, got {self.policy.splits}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from pkv.engines.table import ENGINES, cpu_engines, fp8_readers, info
+from pkv.engines.table import cpu_engines, fp8_readers, info, is_router
 
 
 def build(name: str, cache, policy=None, **options):
@@ -20,8 +20,10 @@ def build(name: str, cache, policy=None, **options):
         raise ValueError(f"engine {name!r} does not read an FP8 KV cache; those that do: {list(fp8_readers())}")
     if not cache.kv.is_cuda and not e.cpu:
         raise ValueError(f"engine {name!r} needs a CUDA device; on the CPU use one of "
-                         f"{sorted(n for n in cpu_engines() if ENGINES[n].family != 'adaptive')}")
-    return importlib.import_module(e.module).build(name, e, cache, policy, **options)
+                         f"{sorted(n for n in cpu_engines() if not is_router(n))}")
+    engine = importlib.import_module(e.module).build(name, e, cache, policy, **options)
+    engine.name = name          # an engine is named by its row, the one place a name is defined
+    return engine
 
 
 def no_policy(name: str, policy) -> None:

@@ -24,8 +24,6 @@ class RepackPlan(Plan):
 class SdpaRepackEngine(Engine):
     """Gather each row's pages into contiguous K,V, then torch SDPA (the framework baseline)."""
 
-    name = "sdpa-repack"
-
     def __init__(self, cache: PagedCache, validate: bool = True):
         super().__init__(cache, validate)
         check_kv(cache.kv, cache.shape)

@@ -28,6 +28,14 @@ class EngineInfo:
                                # family "pkv" routes are host-scheduled with a frozen split, pkv-graph is not)
     ablation: bool = False     # measured only in an ablation, not among the engines a user would deploy
     options: tuple[str, ...] = ()   # the option keys its spec may set (name:key=value,...)
+    split_route: str = ""      # family "pkv": the route ("workqueue" or "bucket") whose frozen split it runs at
+    merge: str = ""            # split schedules: "segmented" (a second kernel merges the splits) or "fused"
+                               # (the last split's CTA merges, counted by an atomic)
+    buckets: str = ""          # bucket schedules: "exact" (one launch per distinct length) or "masked" (one
+                               # coarse bucket sized by the longest row, masked per row)
+    tensor_cores: bool = False  # its decode runs on tensor cores
+    plan_free: bool = False    # no host plan: the split is decided on the GPU, one CUDA-graph capturable launch
+    paper_route: str = ""      # the route kind the paper's claims call its routes ("" where the paper names none)
 
 
 PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
@@ -35,29 +43,50 @@ GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost"
 
 ENGINES: dict[str, EngineInfo] = {
     "reference": EngineInfo("reference", "fp32", "Eq. 1 in FP32, one row at a time", "pkv.engines.cpu", cpu=True,
-                            fp8=True),
+                            fp8=True, paper_route="FlashInfer"),
     "pkv-workqueue": EngineInfo("pkv", "workqueue", "compact workqueue of non-empty (row, kv head, split) tasks",
-                                "pkv.engines.persistent", cpu=True, route=True, options=PKV_OPTIONS),
+                                "pkv.engines.persistent", cpu=True, route=True, options=PKV_OPTIONS,
+                                split_route="workqueue", merge="segmented", paper_route="PersistentKV workqueue"),
     "pkv-masked": EngineInfo("pkv", "masked", "one coarse masked bucket sized by the longest row",
-                             "pkv.engines.persistent", cpu=True, ablation=True, options=PKV_OPTIONS),
+                             "pkv.engines.persistent", cpu=True, ablation=True, options=PKV_OPTIONS,
+                             split_route="bucket", merge="segmented", buckets="masked"),
     "pkv-bucket": EngineInfo("pkv", "bucket", "exact length buckets: one grid launch per distinct length",
-                             "pkv.engines.persistent", cpu=True, route=True, options=PKV_OPTIONS),
+                             "pkv.engines.persistent", cpu=True, route=True, options=PKV_OPTIONS,
+                             split_route="bucket", merge="segmented", buckets="exact",
+                             paper_route="PersistentKV bucket"),
     "pkv-fused": EngineInfo("pkv", "workqueue", "workqueue with the atomic-counter fused merge (ablation)",
-                            "pkv.engines.persistent", ablation=True, options=PKV_OPTIONS),
+                            "pkv.engines.persistent", ablation=True, options=PKV_OPTIONS, split_route="workqueue",
+                            merge="fused"),
     "pkv-graph": EngineInfo("pkv-graph", "graph", "single-launch decode, splits decided on the GPU, no host plan, "
                             "CUDA-graph capturable", "pkv.engines.graph", cpu=True, fp8=True, route=True,
-                            options=GRAPH_OPTIONS),
+                            options=GRAPH_OPTIONS, plan_free=True, paper_route="PersistentKV graph"),
     "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores", "pkv.engines.flashinfer",
-                             fp8=True, baseline=True, options=("validate",)),
+                             fp8=True, baseline=True, options=("validate",), paper_route="FlashInfer"),
     "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores",
-                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=("validate",)),
+                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=("validate",),
+                                tensor_cores=True, paper_route="FlashInfer"),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)",
-                                        "pkv.engines.flashinfer", options=("validate",)),
+                                        "pkv.engines.flashinfer", options=("validate",), paper_route="FlashInfer"),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes",
                            "pkv.engines.adaptive", cpu=True, options=("objective",)),
 }
+
+# The rows a stage, a benchmark or a report names by role; everywhere else reads these, not a name.
+ROUTER = "adaptive"            # the adaptive router: the serving stages' engine, every router label's default
+REFERENCE = "reference"        # the FP32 reference: the correctness baseline, FlashInfer's stand-in on a CPU
+WORKQUEUE = "pkv-workqueue"    # the host-scheduled workqueue: the B4 sweep's engine, the ablations' yardstick
+PLAN_FREE = "pkv-graph"        # the single-launch kernel: the kernel, FP8 and warm-up benchmarks' PersistentKV engine
+
+
+def the(**fields) -> str:
+    """The one engine whose row has these field values (the(buckets="masked") ->
+    the coarse masked bucket); an error unless exactly one row matches."""
+    found = [n for n, e in ENGINES.items() if all(getattr(e, k) == v for k, v in fields.items())]
+    if len(found) != 1:
+        raise ValueError(f"{len(found)} engines have {fields}, not one: {found}")
+    return found[0]
 
 
 def info(name: str) -> EngineInfo:
@@ -102,6 +131,13 @@ def pkv_routes() -> dict[str, str]:
     return {n: e.kind for n, e in ENGINES.items() if e.route}
 
 
+def route_key(name: str) -> str:
+    """The key the cost model's constants file an engine's times under: a router route's kind
+    (pkv_routes: "workqueue", "bucket", "graph"), any other engine's name (the baselines)."""
+    e = ENGINES.get(name)
+    return e.kind if e is not None and e.route else name
+
+
 def fp8_readers() -> tuple[str, ...]:
     return tuple(n for n, e in ENGINES.items() if e.fp8)
 
@@ -118,6 +154,13 @@ def cpu_engines() -> tuple[str, ...]:
 def fp8_kernels() -> tuple[str, ...]:
     """The FP8 readers with a CUDA kernel (the FP8 kernel benchmark's engines): all but the reference."""
     return tuple(n for n in fp8_readers() if ENGINES[n].family != "reference")
+
+
+def persistentkv(spec: str) -> bool:
+    """Whether an engine label ("pkv-workqueue", "pkv-masked:row_local=false") is one of this
+    project's kernels (family pkv or pkv-graph); a label of no engine (vllm) is not."""
+    e = ENGINES.get(spec.partition(":")[0])
+    return e is not None and e.family in ("pkv", "pkv-graph")
 
 
 def is_router(spec: str) -> bool:

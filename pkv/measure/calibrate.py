@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.engines.table import pkv_engines, pkv_routes
+from pkv.engines.table import PLAN_FREE, pkv_engines, pkv_routes, route_key
 from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
 from pkv.measure.loop import Job, measure
 from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin, with_device_scale
@@ -237,7 +237,7 @@ def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES, piece_cost:
     coefficients of T = fixed + KV bytes * a + merge bytes * b, non-negative, minimizing
     the squared relative error against the measured device time. The grid (num_ctas) is
     the rows' own: CTAs with work + CTAs without."""
-    rows = replayed(frame[(frame["engine"] == "pkv-graph") & frame["decode_ctas"].notna()])
+    rows = replayed(frame[(frame["engine"] == PLAN_FREE) & frame["decode_ctas"].notna()])
     if rows.empty:
         return None
     grids = (rows["decode_ctas"] + rows["empty_ctas"]).unique()
@@ -312,7 +312,7 @@ def fit_host_s(frame: pd.DataFrame) -> dict:
     out = {}
     for engine, rows in frame[frame["cuda_s"].notna()].groupby("engine", sort=True):
         rows = replayed(rows)
-        out[engine.removeprefix("pkv-")] = float(np.median(np.clip(rows["wall_s"].to_numpy() - device_s(rows), 0.0, None)))
+        out[route_key(engine)] = float(np.median(np.clip(rows["wall_s"].to_numpy() - device_s(rows), 0.0, None)))
     return out
 
 

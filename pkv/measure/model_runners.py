@@ -11,7 +11,7 @@ import importlib.util
 
 from pkv.core.cache import PagedCache
 from pkv.engines.model import EngineRunner, GraphRunner, Runner
-from pkv.engines.table import RUNNERS, runners
+from pkv.engines.table import ROUTER, RUNNERS, runners
 from pkv.plan.costmodel import GRAPH
 
 
@@ -19,7 +19,6 @@ class PkvGraphRunner(GraphRunner):
     """pkv-graph through the public API: one DecodeWrapper per bucket (its capacity, and so its
     cut of the work, is the bucket's); update() once a step, run(q, layer's KV) per layer."""
 
-    name = "pkv-graph"
     takes_buckets = True
 
     def __init__(self, model, caches, xs, buckets):
@@ -48,15 +47,13 @@ class AdaptiveRunner(Runner):
     same per-bucket graphs as the pkv-graph runner's), any other route runs its engine's plan
     over the layers eagerly (an EngineRunner over the adaptive engine)."""
 
-    name = "adaptive"
-
     @classmethod
     def build(cls, model, caches, xs, buckets, constants=None, point=""):
         from pkv.engines import make_engine
 
         if constants is None:
-            raise ValueError(f"engine {cls.name} needs the frozen constants (--constants)")
-        return cls(make_engine(cls.name, caches[0], constants=constants, point=point), model, caches, xs, buckets)
+            raise ValueError(f"engine {ROUTER} needs the frozen constants (--constants)")
+        return cls(make_engine(ROUTER, caches[0], constants=constants, point=point), model, caches, xs, buckets)
 
     def __init__(self, engine, model, caches, xs, buckets):
         super().__init__(model, caches, xs)

@@ -36,13 +36,13 @@ Result = tuple[pd.DataFrame, dict]
 def build_engine(spec: str, cache: PagedCache, k: Constants, point: str, split: int | None = None) -> Engine:
     """Engine `spec` at the frozen operating point `point`; `split` forces a split count."""
     name, options = table.parse_spec(spec)
-    if name == "adaptive":
+    if table.is_router(name):
         if split is not None:
             k = dataclasses.replace(k, operating_points={point: {**k.operating_points.get(point, {}), "bucket": split,
                                                                  "workqueue": split}})
-        return make_engine("adaptive", cache, constants=k, point=point, **options)   # objective
+        return make_engine(name, cache, constants=k, point=point, **options)   # objective
     if table.family(name) == "pkv":
-        policy = SplitPolicy(split or k.split(point, name[4:]), k.min_tiles_per_split)
+        policy = SplitPolicy(split or k.split(point, table.info(name).split_route), k.min_tiles_per_split)
         if not cache.kv.is_cuda:
             options["num_sms"] = k.sm_count
         return make_engine(name, cache, policy, **options)
@@ -190,7 +190,7 @@ def split_sensitivity(cfg: Config | dict, k: Constants, family: str, max_active:
     frames = []
     for split in sorted({max(1, frozen + off) for off in cfg.ablations.split_sensitivity.offsets}):
         job = Job("split_sensitivity", trace.name, family, max_active, seed, shape.group, split)
-        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["adaptive"]), k, point, split=split))
+        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, [table.ROUTER]), k, point, split=split))
     return pd.concat(frames, ignore_index=True), _meta(trace, frozen_split=frozen)
 
 
@@ -203,7 +203,7 @@ def b4_sweep(cfg: Config | dict, k: Constants, seed: int) -> Result:
     frames = []
     for split in c.splits:
         job = Job("b4_sweep", trace.name, c.family, c.max_active, seed, shape.group, split)
-        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, ["pkv-workqueue"]), k,
+        frames.append(_run(cfg, job, trace, shape, _with_baselines(cfg, [table.WORKQUEUE]), k,
                            point_key(c.family, c.max_active), split=split))
     return pd.concat(frames, ignore_index=True), _meta(trace)
 

@@ -34,7 +34,7 @@ def variants(cfg: dict) -> list[tuple[str, int, str, str]]:
     shape = cfg["shape"]
     dtype, head_dim = shape["dtype"], int(shape["head_dim"])
     kv = shape.get("kv_dtype", "auto")
-    out = [("pkv-graph", head_dim, dtype, kv)]          # our one extension serves every shape
+    out = [(table.PLAN_FREE, head_dim, dtype, kv)]          # our one extension serves every shape
     for d, kv_dtype in dict.fromkeys([*((d, "auto") for d in sorted({head_dim, *SWEEP_HEAD_DIMS})),
                                       (head_dim, kv), (head_dim, "fp8")]):   # FP8 stages: the serving head_dim
         out += [(e, d, dtype, kv_dtype) for e in PER_HEAD_DIM]

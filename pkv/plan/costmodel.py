@@ -208,11 +208,11 @@ class Constants:
         return float(margins[-1][1])
 
     def split(self, point: str, kind: str) -> int:
-        """Frozen split of schedule `kind` at operating point `point` (fused uses workqueue's,
-        masked uses bucket's)."""
+        """Frozen split of route `kind` ("workqueue" or "bucket") at operating point `point`; an
+        engine runs at the split of its row's `split_route` (pkv.engines.table)."""
         if point not in self.operating_points:
             raise ValueError(f"no frozen operating point {point!r}; calibrated: {', '.join(sorted(self.operating_points))}")
-        return int(self.operating_points[point][{"fused": "workqueue", "masked": "bucket"}.get(kind, kind)])
+        return int(self.operating_points[point][kind])
 
     def at(self, point: str) -> "Constants":
         """These constants as the router applies them at operating point `point`: its own

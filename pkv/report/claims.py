@@ -22,6 +22,7 @@ from tabulate import tabulate
 
 from pkv.config.resolve import SMOKE_BANNER
 from pkv.core.units import K
+from pkv.engines import table
 from pkv.measure.nsight import table5
 from pkv.report.load import Raw, load
 from pkv.report.ratios import baselines, mean_sd, modal_route, num, ratios
@@ -74,15 +75,11 @@ def verdict(kind: str, paper, value, expect=None) -> str:
 
 
 def route_kind(route: str) -> str:
-    """A route's kind as the paper names routes: FlashInfer, PersistentKV bucket or workqueue."""
+    """A route's kind as the paper names routes (FlashInfer, PersistentKV bucket, workqueue
+    or graph: the engine row's paper_route), from the route's label ("pkv-bucket/s8")."""
     engine = route.split("/")[0].split(" ")[0]
-    if engine.startswith("flashinfer") or engine == "reference":
-        return "FlashInfer"
-    for prefix, name in (("pkv-bucket", "PersistentKV bucket"), ("pkv-workqueue", "PersistentKV workqueue"),
-                         ("pkv-graph", "PersistentKV graph")):
-        if engine.startswith(prefix):
-            return name
-    return engine
+    row = table.ENGINES.get(engine.partition(":")[0])
+    return row.paper_route if row is not None and row.paper_route else engine
 
 
 # ---------------------------------------------------------------- this run's numbers
@@ -137,7 +134,7 @@ def _fi(d: Data) -> Callable[[str], bool]:
 
 def _pkv(engine: str) -> bool:
     """PersistentKV, auto split: every pkv engine and split of the grid."""
-    return engine.startswith("pkv-")
+    return table.persistentkv(engine)
 
 
 def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv, den_pick: Callable[[str], bool] | None = None) -> Measure:
@@ -148,13 +145,13 @@ def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv, den_pic
         b = _isolated_best(d, context, den_pick or _fi(d))
         if a is None or b is None:
             return None
-        name = lambda x: x[1] + (f"/s{x[2]}" if x[1].startswith("pkv-") else "")   # noqa: E731
+        name = lambda x: x[1] + (f"/s{x[2]}" if table.persistentkv(x[1]) else "")   # noqa: E731
         return a[0] / b[0], f"{num(a[0] / b[0])} ({name(a)} {a[0] * 1e3:.4f} ÷ {name(b)} {b[0] * 1e3:.4f} ms)"
     return measure
 
 
 def serve_ratio(family: str, batch: int, timing: str, stage: str = "serve", keys=("family", "max_active", "seed"),
-                engine: str = "adaptive", **eq) -> Measure:
+                engine: str = table.ROUTER, **eq) -> Measure:
     """An engine's (the adaptive route's) mean throughput ratio over the faster FlashInfer
     variant, mean±std over seeds."""
     def measure(d: Data):
@@ -169,7 +166,7 @@ def serve_ratio(family: str, batch: int, timing: str, stage: str = "serve", keys
 def routes(stage: str, selections: list[dict]) -> Measure:
     """The adaptive engine's modal route per selection (a trace, a GQA group), as route kinds."""
     def measure(d: Data):
-        f = _sel(d.stage(stage), engine="adaptive")
+        f = _sel(d.stage(stage), engine=table.ROUTER)
         found = [modal_route(g["route"]) for g in (_sel(f, **s) for s in selections) if len(g)]
         if len(found) < len(selections):
             return None
@@ -188,7 +185,7 @@ def worst(measures: list[Measure], pick=min) -> Measure:
 
 
 def max_error(d: Data):
-    f = _sel(d.stage("serve"), engine="adaptive")
+    f = _sel(d.stage("serve"), engine=table.ROUTER)
     return (float(f["max_abs_err"].max()), num(f['max_abs_err'].max(), '.3e')) if len(f) else None
 
 
@@ -196,7 +193,7 @@ def counters(column: str, scale: float = 1.0, spec: str = ".2f") -> Measure:
     """Bimodal B8 (serve), per-step mean of `column`: exact buckets ÷ workqueue (Table 4)."""
     def measure(d: Data):
         f = _sel(d.stage("serve"), family="bimodal", max_active=8)
-        b, w = (_sel(f, engine=e)[column].mean() * scale for e in ("pkv-bucket", "pkv-workqueue"))
+        b, w = (_sel(f, engine=e)[column].mean() * scale for e in (table.the(buckets="exact"), table.WORKQUEUE))
         if not (math.isfinite(b) and math.isfinite(w)) or w == 0:
             return None
         return b / w, f"{num(b / w, '.2f')}× ({num(b, spec)} → {num(w, spec)})"
@@ -221,7 +218,7 @@ def nsight(column: str, fmt: str, unit: str) -> Measure:
 def split_min(family: str, batch: int) -> Measure:
     """The lowest wall ratio over the frozen split and its neighbours (Table 7)."""
     def measure(d: Data):
-        a = _sel(d.ratios("split_sensitivity", ("family", "max_active", "seed", "split")), engine="adaptive",
+        a = _sel(d.ratios("split_sensitivity", ("family", "max_active", "seed", "split")), engine=table.ROUTER,
                  family=family, max_active=batch).sort_values("split")
         if a.empty:
             return None
@@ -231,7 +228,7 @@ def split_min(family: str, batch: int) -> Measure:
 
 
 def b4_best(d: Data):
-    r = _sel(d.ratios("b4_sweep", ("family", "max_active", "seed", "split")), engine="pkv-workqueue")
+    r = _sel(d.ratios("b4_sweep", ("family", "max_active", "seed", "split")), engine=table.WORKQUEUE)
     if r.empty:
         return None
     by = r.groupby("split")["wall_ratio"]
@@ -287,7 +284,7 @@ CLAIMS: list[Claim] = [
       for c, p, t in ((8192, 1.045, "1.045 (0.1255 ÷ 0.1201 ms)"), (32768, 1.044, "1.044 (0.4597 ÷ 0.4404 ms)"),
                       (65536, 1.044, "1.044 (0.9069 ÷ 0.8686 ms)"))),
     Claim("Table 1", "Repack + PyTorch SDPA ÷ PersistentKV latency, 64K", 4.9840 / 0.9069, "5.496 (4.9840 ÷ 0.9069 ms)",
-          "ratio", isolated_ratio(65536, lambda e: e == "sdpa-repack", _pkv),
+          "ratio", isolated_ratio(65536, lambda e: e == table.the(family="sdpa"), _pkv),
           "the repack baseline copies the paged KV into contiguous tensors before attention, every call"),
     Claim("Table 1, §4.2", "PersistentKV auto split ÷ vLLM PagedAttention latency, 64K", 0.794, "0.794 (vLLM 0.6.4)",
           "ratio", isolated_ratio(65536, _pkv, lambda e: e.startswith("vllm")), "vLLM (and TensorRT-LLM) are measured only where the isolated stage's engine set names them"),
@@ -352,13 +349,13 @@ CLAIMS: list[Claim] = [
     Claim("Table 6, Table 8", "GQA G = 1 and G = 8: no regression (wall)", 1.0, "1.000 / 1.000", "no_regression",
           worst([serve_ratio("", 0, "wall", "gqa_sweep", ("group", "seed"), group=g) for g in (1, 8)]), NOREG),
     Claim("§4.6", "Ungated workqueue at G = 1 and G = 8 loses (wall)", None, "lost badly (no number given)", "side",
-          worst([serve_ratio("", 0, "wall", "gqa_sweep", ("group", "seed"), "pkv-workqueue", group=g) for g in (1, 8)],
+          worst([serve_ratio("", 0, "wall", "gqa_sweep", ("group", "seed"), table.WORKQUEUE, group=g) for g in (1, 8)],
                 pick=max), "ungated: the workqueue runs every group's steps, one seed", "< 1"),
     Claim("§4.5", "Coarse masked bucket loses on bimodal B8 (wall)", None, "still loses (no number given)", "side",
-          per_engine("raggedness", "pkv-masked"),
+          per_engine("raggedness", table.the(buckets="masked")),
           "one masked bucket launches once over the padded rectangle; row-local bounds skip the empty splits", "< 1"),
     Claim("§3.4, §4.6", "Fused merge (atomic completion) ÷ two-kernel workqueue (wall)", None,
-          "slower (no number given)", "side", per_engine("implementation", "pkv-fused", "pkv-workqueue"),
+          "slower (no number given)", "side", per_engine("implementation", table.the(merge="fused"), table.WORKQUEUE),
           "the fused path saves the merge launch and pays an atomic count per split", "< 1"),
 ]
 

@@ -87,7 +87,7 @@ def plain_log_axis(axis, lo: float, hi: float, base: int = 10) -> None:
 
 def _baseline_name(frame: pd.DataFrame) -> str:
     base = rep.baselines(frame)
-    return "FP32 reference (FlashInfer stand-in)" if base == ["reference"] else "faster FlashInfer variant"
+    return "FP32 reference (FlashInfer stand-in)" if base == [table.REFERENCE] else "faster FlashInfer variant"
 
 
 def _layout(fig, ax_title: str, smoke: bool):
@@ -123,9 +123,9 @@ def serving_ratios(frame: pd.DataFrame, smoke: bool) -> bytes:
 
 def serving_engines(frame: pd.DataFrame) -> list[str]:
     """The engines the serving-ratio figure plots: every router (pkv.report.ratios.routers,
-    the plain `adaptive` first), then pkv-graph where the run has it."""
+    the plain `adaptive` first), then the plan-free kernel (pkv-graph) where the run has it."""
     present = set(frame["engine"])
-    return [*(rep.routers(frame) or ["adaptive"]), *[e for e in ("pkv-graph",) if e in present]]
+    return [*(rep.routers(frame) or [table.ROUTER]), *[e for e in (table.PLAN_FREE,) if e in present]]
 
 
 def _engine_label(engine: str) -> str:
@@ -167,8 +167,8 @@ def serving_ratios_figure(frame: pd.DataFrame, smoke: bool):
                 labels.append(lab)
     axes[0, 0].legend(handles, labels, title="timing (error bars: std over seeds)", fontsize=8, title_fontsize=8,
                       ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    names = ["adaptive route" if len(engines) - ("pkv-graph" in engines) == 1 else "adaptive routes",
-             *[e for e in engines if e == "pkv-graph"]]
+    names = ["adaptive route" if len(engines) - (table.PLAN_FREE in engines) == 1 else "adaptive routes",
+             *[e for e in engines if e == table.PLAN_FREE]]
     title = " and ".join(names)
     return _layout(fig, f"{title[0].upper()}{title[1:]} over the {_baseline_name(frame)}, held-out seeds", smoke)
 
@@ -185,7 +185,7 @@ def latency_vs_context(frame: pd.DataFrame, smoke: bool) -> bytes:
     base = rep.baselines(frame)
     fastest = best[best["engine"].isin(base)].groupby("max_len", observed=True)["device_ms"].min()
     best["speedup"] = best["max_len"].map(fastest) / best["device_ms"]
-    best["engine"] = [e + " (auto split)" if e.startswith("pkv-") else e for e in best["engine"]]
+    best["engine"] = [e + " (auto split)" if table.persistentkv(e) else e for e in best["engine"]]
     timing = "CUDA-graph replay" if f["graph_s"].notna().any() else "CUDA events" if f["cuda_s"].notna().any() else "wall"
     engines = sorted(best["engine"].unique())
     palette = dict(zip(engines, sns.color_palette(n_colors=len(engines))))
@@ -219,8 +219,8 @@ def split_sensitivity(frame: pd.DataFrame, smoke: bool) -> bytes:
     sens = frame[frame["stage"] == "split_sensitivity"]
     b4 = frame[frame["stage"] == "b4_sweep"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.2))
-    for ax, rows, engine, title in ((axes[0], sens, "adaptive", "cost-model policy at forced split (ablation seed)"),
-                                    (axes[1], b4, "pkv-workqueue", "B4 workqueue sweep (std over seeds)")):
+    for ax, rows, engine, title in ((axes[0], sens, table.ROUTER, "cost-model policy at forced split (ablation seed)"),
+                                    (axes[1], b4, table.WORKQUEUE, "B4 workqueue sweep (std over seeds)")):
         long = _long_ratios(rows, ["family", "max_active", "seed", "split"], engine)
         long = long[long["timing"] == TIMING_LABELS["wall"]]
         long["trace"] = [rep.trace_label(f, b) for f, b in zip(long["family"], long["max_active"])]

@@ -16,11 +16,11 @@ import pandas as pd
 
 from pkv.core import io
 from pkv.core.units import K
-from pkv.engines.table import baselines
+from pkv.engines.table import PLAN_FREE, baselines
 from pkv.report.kernels import pools_note
 from pkv.report.ratios import mean_sd, num, throughputs
 
-ENGINE = "pkv-graph"
+ENGINE = PLAN_FREE
 
 
 def _provenance(meta: dict) -> str:

@@ -18,9 +18,9 @@ import numpy as np
 import pandas as pd
 
 from pkv.core.units import K
-from pkv.engines.table import flashinfer
+from pkv.engines.table import PLAN_FREE, flashinfer
 from pkv.core import io
-ENGINE = "pkv-graph"
+ENGINE = PLAN_FREE
 
 
 def pools_note(meta: dict) -> str:
@@ -94,7 +94,7 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
 def table(frame: pd.DataFrame, meta: dict) -> str:
     s = summary(frame)
     fi = [e for e in flashinfer() if e in s]
-    head = ["case", "pkv-graph µs", "% roofline", *[f"{e} µs" for e in fi], "ratio"]
+    head = ["case", f"{ENGINE} µs", "% roofline", *[f"{e} µs" for e in fi], "ratio"]
     lines = [
         "# Decode kernels: PersistentKV pkv-graph against FlashInfer (device time)",
         "",

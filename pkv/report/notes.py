@@ -37,7 +37,7 @@ def ran_line(raw: Raw) -> str:
         return ""
     engines = sorted(set(f["engine"].astype(str)))
     line = f"Engines: {', '.join(engines)}."
-    routers = [e for e in engines if table.family(table.parse_spec(e)[0]) == "adaptive"]
+    routers = [e for e in engines if table.is_router(e)]
     if routers and "route" in f:
         share = f.loc[f["engine"].isin(routers), "route"].astype(str).value_counts(normalize=True)
         shown = [f"{route} {frac:.0%}" for route, frac in share.head(6).items()]

@@ -20,7 +20,7 @@ FAMILY_ORDER = (*FAMILIES, "external")
 
 def baselines(frame: pd.DataFrame) -> list[str]:
     present = [b for b in table.baselines() if b in set(frame["engine"])]
-    return present or ["reference"]
+    return present or [table.REFERENCE]
 
 
 def throughputs(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -61,7 +61,7 @@ def objective(router: str) -> str:
 def router_label(label: str, router: str) -> str:
     """A row label for `router`: `label` as it is for the plain adaptive engine (the committed
     tables' rows), `label · objective=overlapped` for another spec."""
-    return label if router == "adaptive" else f"{label} · {router.partition(':')[2]}"
+    return label if router == table.ROUTER else f"{label} · {router.partition(':')[2]}"
 
 
 def trace_label(family: str, max_active: int) -> str:

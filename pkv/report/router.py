@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from pkv.engines.table import baselines, pkv_engines, pkv_routes
+from pkv.engines.table import PLAN_FREE, ROUTER, baselines, pkv_engines, pkv_routes
 from pkv.plan.costmodel import GRAPH, Constants, RouteCost, estimate  # noqa: E402
 from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.report.notes import provenance_line  # noqa: E402
@@ -136,7 +136,7 @@ def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False, sourc
     ]
     if table.empty:
         return "\n".join(lines + ["No serving trace with an adaptive engine.", ""])
-    several = set(table["router"]) != {"adaptive"}
+    several = set(table["router"]) != {ROUTER}
     if several:
         lines[-2] += (" One row per adaptive engine: the serial objective's bar is the wall ratio, the overlapped "
                       f"objective's the device ratio (≥ {OVERLAPPED_BAR}) and its device throughput over FlashInfer's "
@@ -145,7 +145,7 @@ def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False, sourc
     rows = []
     order = {fb: i for i, fb in enumerate(trace_order(table))}
     table = table.assign(_o=[order[(f, b)] for f, b in zip(table["family"], table["max_active"])],
-                         _r=[r != "adaptive" for r in table["router"]])
+                         _r=[r != ROUTER for r in table["router"]])
     for r in table.sort_values(["_o", "seed", "_r", "router"]).itertuples():
         wall_bar, device_bar, fi_bar = _bars(r.router)
         rows.append([trace_label(r.family, r.max_active), r.seed, *([r.router] if several else []), r.routes,
@@ -268,7 +268,7 @@ def regret_md(root: Path, constants: Path | None = None) -> str:
     root = Path(root)
     k = Constants.load(constants or root / "calibration" / "constants.json")
     serve = load(root, ("serve",))
-    return regret_markdown(regret(serve.frame, k), serve.smoke, graph="pkv-graph" in candidates(serve.frame, k),
+    return regret_markdown(regret(serve.frame, k), serve.smoke, graph=PLAN_FREE in candidates(serve.frame, k),
                            source=provenance_line(serve),
                            margin=margin_sentence(json.loads((constants or root / "calibration" / "constants.json")
                                                              .read_text())))

@@ -66,10 +66,10 @@ def t_serving(raw: Raw) -> pd.DataFrame:
     f = raw.frame
     r = ratios(f, ["family", "max_active", "seed"])
     rows = []
-    for (family, batch), router in ((fb, e) for fb in trace_order(f) for e in routers(f) or ["adaptive"]):
+    for (family, batch), router in ((fb, e) for fb in trace_order(f) for e in routers(f) or [table.ROUTER]):
         sel = (r["family"] == family) & (r["max_active"] == batch) & (r["engine"] == router)
         steps = f[(f["family"] == family) & (f["max_active"] == batch) & (f["engine"] == router)]
-        if steps.empty and router != "adaptive":
+        if steps.empty and router != table.ROUTER:
             continue
         rows.append({
             "Trace / mode": router_label(trace_label(family, batch), router), "Selected route": modal_route(steps["route"]),
@@ -112,7 +112,7 @@ def t_isolated(raw: Raw) -> pd.DataFrame:
     rows = []
     contexts = sorted(med["context"].unique())
     for engine, g in med.groupby("engine", sort=True, observed=True):
-        if engine.startswith("pkv-"):
+        if table.persistentkv(engine):
             # Auto split: the best split of the grid per context (the paper's autotuned row).
             best = g.loc[g.groupby("context")["device_s"].idxmin()].set_index("context")
             row = {"Method": f"{engine}, auto split"}
@@ -147,7 +147,7 @@ def t_mlp_proxy(raw: Raw) -> pd.DataFrame:
                          "Wall ms/step": mean_sd(e["wall_ms"])})
             if engine == b:
                 continue
-            rows.append({"Layers": str(layers), "Engine": "Ratio" if engine == "adaptive" else f"Ratio, {engine}",
+            rows.append({"Layers": str(layers), "Engine": "Ratio" if engine == table.ROUTER else f"Ratio, {engine}",
                          "CUDA tok/s": mean_sd(e["cuda_ratio"]) + "×", "CUDA ms/step": "–",
                          "Wall tok/s": mean_sd(e["wall_ratio"]) + "×", "Wall ms/step": "–"})
     return pd.DataFrame(rows)
@@ -158,7 +158,7 @@ def t_split_sensitivity(raw: Raw) -> pd.DataFrame:
     r = ratios(f, ["family", "max_active", "seed", "split"])
     rows = []
     for family, batch in trace_order(f):
-        a = r[(r["family"] == family) & (r["max_active"] == batch) & (r["engine"] == "adaptive")].sort_values("split")
+        a = r[(r["family"] == family) & (r["max_active"] == batch) & (r["engine"] == table.ROUTER)].sort_values("split")
         rows.append({"Trace": trace_label(family, batch), "Split counts": " / ".join(str(int(s)) for s in a["split"]),
                      "CUDA tok/s ratio": " / ".join(num(x) for x in a["cuda_ratio"]),
                      "Wall tok/s ratio": " / ".join(num(x) for x in a["wall_ratio"]),
@@ -168,7 +168,7 @@ def t_split_sensitivity(raw: Raw) -> pd.DataFrame:
 
 def t_b4_sweep(raw: Raw) -> pd.DataFrame:
     r = ratios(raw.frame, ["family", "max_active", "seed", "split"])
-    r = r[r["engine"] == "pkv-workqueue"]
+    r = r[r["engine"] == table.WORKQUEUE]
     rows = []
     for split, g in r.groupby("split", sort=True):
         family, batch = g["family"].iloc[0], int(g["max_active"].iloc[0])
@@ -185,9 +185,9 @@ def t_gqa_sweep(raw: Raw) -> pd.DataFrame:
     kv_heads = {int(m["group"]): m["num_kv_heads"] for m in raw.metas}
     rows = []
     for group, g in r.groupby("group", sort=True):
-        steps = f[(f["group"] == group) & (f["engine"] == "adaptive")]
-        a = g[g["engine"] == "adaptive"]
-        ungated = g[g["engine"] == "pkv-workqueue"]
+        steps = f[(f["group"] == group) & (f["engine"] == table.ROUTER)]
+        a = g[g["engine"] == table.ROUTER]
+        ungated = g[g["engine"] == table.WORKQUEUE]
         rows.append({"G": str(int(group)), "H_kv": kv_heads[int(group)], "Selected route": modal_route(steps["route"]),
                      "CUDA tok/s ratio": num(a["cuda_ratio"].mean()), "Wall tok/s ratio": num(a["wall_ratio"].mean()),
                      "Ungated workqueue wall ratio": num(ungated["wall_ratio"].mean())})
@@ -213,11 +213,11 @@ def _per_engine_ablation(raw: Raw, reference: str) -> pd.DataFrame:
 
 
 def t_raggedness(raw: Raw) -> pd.DataFrame:
-    return _per_engine_ablation(raw, "pkv-workqueue")
+    return _per_engine_ablation(raw, table.WORKQUEUE)
 
 
 def t_ablations(raw: Raw) -> pd.DataFrame:
-    return _per_engine_ablation(raw, "pkv-workqueue")
+    return _per_engine_ablation(raw, table.WORKQUEUE)
 
 
 def t_external(raw: Raw) -> pd.DataFrame:
@@ -251,7 +251,7 @@ def t_coverage(raw: Raw) -> pd.DataFrame:
         if s.empty:
             continue
         r = ratios(s, keys)
-        for router, (key, g) in ((e, kg) for e in routers(s) or ["adaptive"]
+        for router, (key, g) in ((e, kg) for e in routers(s) or [table.ROUTER]
                                  for kg in r[r["engine"] == e].groupby(keys[:-1], sort=True)):
             key = dict(zip(keys[:-1], key if isinstance(key, tuple) else (key,)))
             steps = s[(s["engine"] == router)
@@ -275,7 +275,7 @@ def status(wall_ratio: pd.Series, routes: pd.Series) -> str:
         return "Not measured"
     if lo > 1.0:
         return "Positive"
-    if routes.isin(["reference", *table.baselines()]).all():
+    if routes.isin([table.REFERENCE, *table.baselines()]).all():
         return "Baseline route (no regression)" if lo >= 0.97 else "Baseline route, slower than baseline"
     return "Mixed" if wall_ratio.mean() >= 1.0 else "Regression"
 
