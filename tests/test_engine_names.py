@@ -21,7 +21,7 @@ OTHER_MEANINGS = {
                    {"core/io.py", "report/compare.py", "report/notes.py", "report/fp8.py", "report/host.py",
                     "report/kernels.py", "bench/splits.py", "cli/worker_serve.py"}),
     "reference": ("the reference run (config run=reference, pkv compare's reference side)",
-                  {"config/resolve.py", "report/compare.py"}),
+                  {"config/runs.py", "report/compare.py"}),
 }
 
 
