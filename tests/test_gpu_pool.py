@@ -6,6 +6,7 @@ lists: the pool's UUIDs in PKV_GPUS, and a fake `nvidia-smi` on PATH for the Sna
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import os
 import signal
@@ -67,7 +68,7 @@ def test_concurrent_jobs_never_share_a_gpu(tmp_path):
         assert job["gpu"] in ids and job["visible"] == job["gpu"] and job["pool"] is None
     for gpu in ids:
         spans = sorted((j["start"], j["end"]) for j in jobs if j["gpu"] == gpu)
-        assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])), (gpu, spans)
+        assert all(a_end <= b_start for (_, a_end), (b_start, _) in itertools.pairwise(spans)), (gpu, spans)
     assert {j["gpu"] for j in jobs} == set(ids)    # nine jobs on three GPUs: each GPU served some
 
 
@@ -240,17 +241,20 @@ def dry_run(tmp_path: Path, fake_gpus: list[str], *args: str) -> subprocess.Comp
 
 
 def inputs_of(text: str, rule: str) -> str:
-    block = text.split(f"rule {rule}:\n", 1)[1]
-    return block.split("\n    output:", 1)[0]
+    """The `input:` line of `rule`'s job in a dry run's listing ("" without one)."""
+    lines = itertools.takewhile(lambda line: line.startswith(" "), text.split(f"rule {rule}:\n", 1)[1].splitlines())
+    return next((line for line in lines if line.strip().startswith("input:")), "")
 
 
 def test_snakefile_refuses_a_mixed_host_and_fans_out_on_one_model(tmp_path):
     mixed = dry_run(tmp_path, ["0, GPU-a, NVIDIA H200", "1, GPU-b, NVIDIA H100 80GB HBM3"],
                     "--cores", "2", "--resources", "gpu=2")
+    said = mixed.stdout + mixed.stderr
     assert mixed.returncode != 0
-    assert "this host's GPUs are of 2 models (NVIDIA H200: GPU 0; NVIDIA H100 80GB HBM3: GPU 1)" in mixed.stdout + mixed.stderr
-    assert "rule calibrate_device" not in mixed.stdout + mixed.stderr
-    same = dry_run(tmp_path, ["0, GPU-a, NVIDIA H200", "1, GPU-b, NVIDIA H200"], "--cores", "2", "--resources", "gpu=2")
+    assert "this host's GPUs are of 2 models (NVIDIA H200: GPU 0; NVIDIA H100 80GB HBM3: GPU 1)" in said
+    assert "rule calibrate_device" not in said
+    same = dry_run(tmp_path, ["0, GPU-a, NVIDIA H200", "1, GPU-b, NVIDIA H200"],
+                   "--cores", "2", "--resources", "gpu=2")
     assert same.returncode == 0, same.stderr[-3000:]
     text = same.stdout + same.stderr
     day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
@@ -269,4 +273,67 @@ def test_snakefile_with_one_gpu_is_as_before(tmp_path):
     day = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     assert f"results/runs/nvidia-h200-{day}/" in text
     assert "build/kernels.json" not in inputs_of(text, "calibrate_device")
-    assert "input:" not in inputs_of(text, "bench_kernels")
+    assert inputs_of(text, "bench_kernels") == ""
+
+
+def test_each_gpu_has_its_own_warm_worker(tmp_path):
+    """With PKV_WORKER=on a GPU command goes to the warm worker of the GPU it took (the worker
+    is keyed by the environment, CUDA_VISIBLE_DEVICES included): two GPUs, two workers."""
+    env = pool_env(tmp_path, ["GPU-a", "GPU-b"], PKV_WORKER="on", PKV_WORKER_IDLE_S="3", TMPDIR=str(tmp_path))
+    locks = Path(env["PKV_GPU_LOCKS"])
+    for other in ("GPU-b", "GPU-a"):          # GPU-a's job while GPU-b is held, then the other way round
+        held = gpu_pool._try_lock(locks / f"{other}.lock")
+        try:
+            done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "--help"], env=env, cwd=REPO,
+                                  capture_output=True, text=True, timeout=300)
+        finally:
+            held.close()
+        assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+    logs = sorted(tmp_path.glob("pkv-worker-*/*.log"))
+    assert len(logs) == 2, logs
+    for log in logs:
+        text = log.read_text()
+        assert text.count("rc=0") == 1 and "measure --help" in text, text
+
+
+# ---------------------------------------------------------------- alone against N at once
+
+FAKE_BENCH = textwrap.dedent("""
+    import os, sys, time
+    import pandas as pd
+    from pkv.cli.gpu_pool import take
+    gpu = take(["bench", "host"])
+    open(sys.argv[1] + ".gpu", "w").write(gpu)
+    time.sleep(0.5)
+    slow = 1.0 if sys.argv[1].endswith("alone.parquet") else 1.5
+    rows = int(os.environ.get("FAKE_ROWS", "2"))
+    pd.DataFrame({"batch": list(range(1, rows + 1)), "engine": ["pkv-graph"] * rows,
+                  "wall_us": [10.0 * slow] * rows, "mean_total_tokens": [1.0] * rows}).to_parquet(sys.argv[1])
+""")
+
+
+def test_contention_runs_alone_then_copies_on_their_own_gpus(tmp_path):
+    from pkv.cli import contention
+
+    ids = ["GPU-a", "GPU-b", "GPU-c"]
+    env = pool_env(tmp_path, ids)
+    out = tmp_path / "contention"
+    done = subprocess.run([sys.executable, "-m", "pkv.cli.contention", "--copies", "3", "--out", str(out), "--",
+                           sys.executable, "-c", FAKE_BENCH, "{out}"], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert sorted((out / f"copy-{i}.parquet.gpu").read_text() for i in (1, 2, 3)) == ids   # one GPU each
+    table = (out / "contention.md").read_text()
+    assert "| wall_us | 2 | 1.500 | 1.500 | batch=1, engine=pkv-graph |" in table, table
+    assert "mean_total_tokens" not in table          # not a measured time
+    (out / "copy-2.parquet").unlink()
+    subprocess.run([sys.executable, "-c", FAKE_BENCH, str(out / "copy-2.parquet")], env={**env, "FAKE_ROWS": "3"},
+                   check=True, timeout=120)
+    with pytest.raises(ValueError, match="copy-2.parquet: not the rows of"):
+        contention.compare(out / "alone.parquet", [out / f"copy-{i}.parquet" for i in (1, 2, 3)])
+
+
+def test_contention_needs_the_output_placeholder(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "pkv.cli.contention", "--out", str(tmp_path), "--", "true"],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "{out}" in done.stderr
