@@ -164,14 +164,17 @@ def test_pinned_job_runs_on_its_slot_cores(tmp_path):
     env = pool_env(tmp_path, ["GPU-a", "GPU-b"], PKV_PIN_CORES="on")
     probe = ("import os; from pkv.cli.gpu_pool import take, slot_cpus; import sys; cmd = sys.argv[1]; "
              "gpu = take([cmd]); print(sorted(os.sched_getaffinity(0)) == sorted(slot_cpus(['GPU-a', 'GPU-b']"
-             ".index(gpu), 2, sorted(ALL))), sorted(os.sched_getaffinity(0)) == sorted(ALL))")
+             ".index(gpu), 2, sorted(ALL))), sorted(os.sched_getaffinity(0)) == sorted(ALL), "
+             "os.environ.get('PKV_PINNED_CPUS') == ','.join(map(str, sorted(os.sched_getaffinity(0)))))")
     probe = probe.replace("ALL", repr(sorted(os.sched_getaffinity(0))))
     pinned = subprocess.run([sys.executable, "-c", probe, "measure"], env=env, capture_output=True, text=True,
                             timeout=60)
     build = subprocess.run([sys.executable, "-c", probe, "build-kernels"], env=env, capture_output=True, text=True,
                            timeout=60)
-    assert pinned.stdout.split()[0] == "True"     # its slot's share
-    assert build.stdout.split()[1] == "True"      # the build keeps every core
+    # Its slot's share, named in the environment (which keys the warm worker: a pinned job
+    # never goes to a worker an unpinned command started).
+    assert pinned.stdout.split()[0] == pinned.stdout.split()[2] == "True", pinned.stderr
+    assert build.stdout.split()[1:] == ["True", "False"], build.stderr      # the build keeps every core
 
 
 # ---------------------------------------------------------------- the host's side (parse time)

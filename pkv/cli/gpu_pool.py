@@ -18,9 +18,9 @@ inherit: a child (the Nsight capture's, under ncu) runs on its parent's GPU and 
 
 Set PKV_PIN_CORES=on as well and a GPU job also runs on its slot's share of the CPU cores:
 slot i of n GPUs gets the i-th of n equal, contiguous runs of physical cores (with their
-hyperthreads) of the cores this process may use, so that host-time numbers (serial wall,
-the host path) are not slowed by a neighbour's threads. The kernel build (build-kernels)
-runs before the fan-out, alone, and keeps every core.
+hyperthreads) of the cores this process may use (named in PKV_PINNED_CPUS), so that
+host-time numbers (serial wall, the host path) are not slowed by a neighbour's threads.
+The kernel build (build-kernels) runs before the fan-out, alone, and keeps every core.
 """
 
 from __future__ import annotations
@@ -61,7 +61,11 @@ def take(argv: list[str], environ=os.environ, poll_s: float = POLL_S) -> str | N
             del environ["PKV_GPUS"]
             environ["CUDA_VISIBLE_DEVICES"] = gpu
             if environ.get("PKV_PIN_CORES", "off").strip().lower() in ON and command not in UNPINNED:
-                os.sched_setaffinity(0, slot_cpus(slot, len(gpus)))
+                cpus = slot_cpus(slot, len(gpus))
+                os.sched_setaffinity(0, cpus)
+                # In the environment too: the warm worker is keyed by it, and a worker inherits
+                # the affinity of the command that started it (a pinned job never reaches an unpinned one).
+                environ["PKV_PINNED_CPUS"] = ",".join(map(str, sorted(cpus)))
             return gpu
         if not waited:
             print(f"pkv: all {len(gpus)} GPUs of the pool are taken (locks in {folder}); waiting for one",
