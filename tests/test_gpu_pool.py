@@ -141,6 +141,8 @@ def test_a_missing_lock_folder_is_one_line(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "--help"], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO), **env})
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and "PKV_GPU_LOCKS" in done.stderr
+    with pytest.raises(OSError, match="PKV_GPU_LOCKS=''"):    # unset: never the working folder
+        gpu_pool.take(["measure"], {"PKV_GPUS": "GPU-a"})
 
 
 def fake_sysfs(root: Path, siblings: dict[int, str]) -> Path:
@@ -340,3 +342,26 @@ def test_contention_needs_the_output_placeholder(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pkv.cli.contention", "--out", str(tmp_path), "--", "true"],
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "{out}" in done.stderr
+
+
+def test_the_host_pool_as_export_lines(tmp_path):
+    """`python3 -m pkv.config.gpus`: this host's pool for commands run by hand; a mixed host is refused."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text(FAKE_SMI.format(python=sys.executable))
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "TMPDIR": str(tmp_path), "PYTHONPATH": str(REPO)}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def export(gpus: str, **extra) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pkv.config.gpus"], env={**env, "FAKE_GPUS": gpus, **extra},
+                              capture_output=True, text=True, timeout=120)
+
+    done = export("0, GPU-a, NVIDIA H200;1, GPU-b, NVIDIA H200")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["export PKV_GPUS=GPU-a,GPU-b",
+                                        f"export PKV_GPU_LOCKS={tmp_path}/pkv-gpus-{os.getuid()}"]
+    mixed = export("0, GPU-a, NVIDIA H200;1, GPU-b, NVIDIA H100 80GB HBM3")
+    assert mixed.returncode == 2 and "2 models" in mixed.stderr and not mixed.stdout
+    assert export("0, GPU-a, NVIDIA H200;1, GPU-b, NVIDIA H100 80GB HBM3", CUDA_VISIBLE_DEVICES="1").stdout.startswith(
+        "export PKV_GPUS=GPU-b\n")

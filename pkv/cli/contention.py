@@ -34,9 +34,7 @@ def pool_env(environ) -> dict[str, str]:
     if not gpus:
         raise ConfigError("this host shows no GPU (nvidia-smi); set PKV_GPUS and PKV_GPU_LOCKS for a pool of your own")
     one_model(gpus)
-    folder = default_lock_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return Pool(tuple(gpus), len(gpus), folder).env
+    return Pool(tuple(gpus), len(gpus), default_lock_dir()).env
 
 
 def run(command: list[str], outs: list[Path], env: dict[str, str]) -> None:

@@ -48,9 +48,10 @@ def take(argv: list[str], environ=os.environ, poll_s: float = POLL_S) -> str | N
     command = _command(argv)
     if not gpus or command not in GPU_COMMANDS:
         return None
-    folder = Path(environ.get("PKV_GPU_LOCKS") or "")
-    if not folder.is_dir():
-        raise OSError(f"PKV_GPU_LOCKS={environ.get('PKV_GPU_LOCKS', '')!r}: not a folder (the GPU pool's locks)")
+    named = environ.get("PKV_GPU_LOCKS", "")
+    folder = Path(named)
+    if not named or not folder.is_dir():
+        raise OSError(f"PKV_GPU_LOCKS={named!r}: not a folder (the GPU pool's locks; PKV_GPUS names the pool)")
     waited = False
     while True:
         for slot, gpu in enumerate(gpus):

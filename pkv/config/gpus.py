@@ -122,7 +122,12 @@ def requested(resources) -> int | None:
 
 
 def default_lock_dir() -> Path:
-    return Path(tempfile.gettempdir()) / f"pkv-gpus-{os.getuid()}"
+    """This user's GPU locks on this host (made if missing; refused if another user owns it)."""
+    folder = Path(tempfile.gettempdir()) / f"pkv-gpus-{os.getuid()}"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if folder.stat().st_uid != os.getuid():
+        raise ConfigError(f"{folder}: belongs to another user (the GPU pool's locks are per user)")
+    return folder
 
 
 def pool(resources, profile: str, runs_jobs: bool, environ=os.environ, gpus: list[Gpu] | None = None,
@@ -143,9 +148,9 @@ def pool(resources, profile: str, runs_jobs: bool, environ=os.environ, gpus: lis
     if wanted > len(found):
         print(f"*** --resources gpu={wanted}, but this host has {len(found)} GPU(s) of {found[0].name}: "
               f"at most {len(found)} GPU jobs run at once (the others wait for a free GPU)", file=sys.stderr)
-    folder = lock_dir or default_lock_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return Pool(tuple(found), min(wanted, len(found)), folder)
+    if lock_dir is not None:
+        lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return Pool(tuple(found), min(wanted, len(found)), lock_dir or default_lock_dir())
 
 
 def main() -> int:
@@ -154,11 +159,10 @@ def main() -> int:
         if not gpus:
             raise ConfigError("this host shows no GPU (nvidia-smi)")
         one_model(gpus)
+        folder = default_lock_dir()
     except ConfigError as e:
         print(f"pkv.config.gpus: error: {e}", file=sys.stderr)
         return 2
-    folder = default_lock_dir()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     for key, value in Pool(tuple(gpus), len(gpus), folder).env.items():
         print(f"export {key}={value}")
     return 0
