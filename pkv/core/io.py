@@ -1,8 +1,9 @@
 """Parquet results with provenance, written atomically.
 
-Every file carries, as key-value metadata: git commit, host, GPU name (or "cpu"), SM
-count, driver, CUDA, torch and FlashInfer versions, config hash, constants hash and the
-exact list of Python packages installed where it was measured.
+Every file carries, as key-value metadata: git commit, host, GPU name (or "cpu") and UUID
+(which of the host's GPUs measured it), SM count, driver, CUDA, torch and FlashInfer
+versions, config hash, constants hash and the exact list of Python packages installed
+where it was measured.
 A file appears under its final name only once it is complete (temp file + rename).
 
 Imports nothing heavy at module level (pandas, pyarrow and torch load inside the
@@ -26,8 +27,8 @@ if TYPE_CHECKING:
     import pandas as pd
 
 PROVENANCE_KEYS = (
-    "git_commit", "host", "gpu", "sm_count", "driver", "cuda", "torch", "flashinfer", "config_hash", "constants_hash",
-    "packages",
+    "git_commit", "host", "gpu", "gpu_uuid", "sm_count", "driver", "cuda", "torch", "flashinfer", "config_hash",
+    "constants_hash", "packages",
 )
 
 
@@ -62,10 +63,13 @@ def _git_commit() -> str:
 def _device_facts() -> dict:
     import torch
 
-    facts = {"gpu": "cpu", "sm_count": "0", "driver": "none", "cuda": str(torch.version.cuda or "none")}
+    facts = {"gpu": "cpu", "gpu_uuid": "none", "sm_count": "0", "driver": "none",
+             "cuda": str(torch.version.cuda or "none")}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        facts.update(gpu=props.name, sm_count=str(props.multi_processor_count))
+        uuid = getattr(props, "uuid", None)   # nvidia-smi -L names the GPU of this UUID
+        facts.update(gpu=props.name, gpu_uuid=f"GPU-{uuid}" if uuid else "unknown",
+                     sm_count=str(props.multi_processor_count))
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
                                  capture_output=True, text=True, timeout=20)

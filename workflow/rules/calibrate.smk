@@ -21,6 +21,7 @@ rule calibrate_device:
     """Fit and freeze the cost-model constants on the calibration seed only (constants.json and the sweep's Parquet)."""
     input:
         config=inp(rules.freeze_config.output.config),
+        built=kernels_built(),
     output:
         constants=out("calibration/constants.json"),
         raw=job_pattern("calibrate"),

@@ -16,6 +16,7 @@ os.environ.setdefault("PKV_WORKER", "on")
 from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coerce, effective, gpu_name, load_schema,
                                 read_config_file, resolve_profile, run_root, validate_config)
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
+from pkv.config.gpus import pool as gpu_pool
 from pkv.config.jobs import stage_files, stage_jobs, stage_paths, stage_pattern
 from pkv.config.stages import EXTERNAL_TITLE, STAGES, external_identity
 from pkv.config.typed import Config
@@ -67,7 +68,15 @@ C = effective(config, PROFILE, OVERRIDES)
 validate_config(C, SCHEMA, f"config ({PROFILE} profile)")
 Config.from_dict(C, f"config ({PROFILE} profile)")   # every key of every section, named when missing
 check_config(C)
-ROOT = run_root(PROFILE, config["run"], GPU)
+# A multi-GPU host (--resources gpu=N, N > 1; profiles/multigpu): each GPU job takes a GPU
+# of its own from a pool of this host's GPUs, all of one model (pkv.config.gpus,
+# pkv/cli/gpu_pool.py); an automatic run folder is <gpu>x<N>-<date>. gpu=1: nothing changes.
+GPU_POOL = None
+if workflow.is_main_process:
+    GPU_POOL = gpu_pool(workflow.global_resources, PROFILE, writes_results(sys.argv[1:]))
+if GPU_POOL:
+    os.environ.update(GPU_POOL.env)
+ROOT = run_root(PROFILE, config["run"], GPU_POOL.label if GPU_POOL and GPU else GPU)
 # The committed reference run: up to date when its files are there, whatever their mtimes
 # (a fresh clone's are checkout times), and never re-made from a different config.
 REFERENCE = ROOT == REFERENCE_ROOT
@@ -156,6 +165,12 @@ def inp(path):
 
 def inputs(paths):
     return [inp(p) for p in paths]
+
+
+def kernels_built():
+    """With a GPU pool, the kernel build as an input of the GPU jobs that would start beside
+    it (those that wait for no calibration): kernels are built once per host, before the fan-out."""
+    return [inp(out("build/kernels.json"))] if GPU_POOL else []
 
 
 def stage_outputs(stage):

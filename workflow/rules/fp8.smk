@@ -9,6 +9,8 @@ from pkv.engines.table import fp8_kernels
 
 rule bench_fp8_kernels:
     """FP8 KV kernels: pkv-graph over an e4m3 cache against FlashInfer's FP8 and 16-bit decode (GPU only)."""
+    input:
+        built=kernels_built(),
     output:
         parquet=out("raw/kernels/fp8.parquet"),
     log:
@@ -29,6 +31,8 @@ rule bench_fp8_kernels:
 
 rule bench_fp8_accuracy:
     """FP8 KV accuracy: error against the FP32 reference per scale policy and engine (GPU only)."""
+    input:
+        built=kernels_built(),
     output:
         parquet=out("raw/fp8/accuracy.parquet"),
     log:

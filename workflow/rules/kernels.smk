@@ -25,6 +25,8 @@ rule build_kernels:
 
 rule bench_kernels:
     """Kernel device time: pkv-graph against FlashInfer's decode variants over batch x context (GPU only)."""
+    input:
+        built=kernels_built(),
     output:
         parquet=out("raw/kernels/sweep.parquet"),
     log:
