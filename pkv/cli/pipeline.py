@@ -87,7 +87,8 @@ def _common(p: argparse.ArgumentParser, constants: bool = True, many: bool = Fal
         p.add_argument("--constants", required=True, help="results/calibration/constants.json")
     where = "inside the folder of --config (the run's folder)"
     if many:
-        p.add_argument("--out", required=True, nargs="+", help=f"the file each job writes (atomically), in order, {where}")
+        p.add_argument("--out", required=True, nargs="+",
+                       help=f"the file each job writes (atomically), in order, {where}")
     else:
         p.add_argument("--out", required=True, help=f"the file this job writes (atomically), {where}")
 
