@@ -387,7 +387,8 @@ def test_deep_json_and_huge_csv_fields_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--file", "x.csv", "--step-ms", "inf"], "argument --step-ms: must be a finite number in (0, 86400000.0], got 'inf'"),
+    (["--file", "x.csv", "--step-ms", "inf"],
+     "argument --step-ms: must be a finite number in (0, 86400000.0], got 'inf'"),
     (["--family", "bimodal", "--num-requests", "1000000000000"],
      f"argument --num-requests: must be in 1..{MAX_REQUESTS}, got 1000000000000"),
 ])
