@@ -396,3 +396,13 @@ def test_padding_rows_of_an_allocated_result_are_zeros_and_run_needs_an_update()
     out, lse = decode(q, kv, table, lens, return_lse=True)
     assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
     compare(out[:1], attention_reference(q[:1], kv, table[:1], lens[:1]), [40])
+
+
+def test_the_example_prints_what_it_computed():
+    """examples/decode.py prints each row's output and its error against plain attention."""
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "decode.py")], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"max \|out - reference\| = (\S+), max \|lse - reference\| = (\S+)", done.stdout)
+    assert len(rows) == 2 and all(float(o) < TOL[torch.float16] and float(s) < 1e-4 for o, s in rows), done.stdout
+    assert "decode on cpu: out (2, 32, 128) torch.float16, lse (2, 32) torch.float32" in done.stdout

@@ -12,9 +12,10 @@ config's external.columns). A numeric time is seconds or milliseconds, as the fo
 the mapping says, and never read as a date.
 
 The request file's own limits are its trace's (pkv.core.traces: MAX_LEN, MAX_REQUESTS,
-MAX_ARRIVAL_STEP), MAX_JSON_DEPTH, MAX_DIGITS and MAX_STEP_MS below. Rows are read one at a
-time (CSV, JSONL) and reading stops at the first request past MAX_REQUESTS, so a file of
-millions of rows is refused in the time of reading the limit's worth. A value is an
+MAX_ARRIVAL_STEP), MAX_JSON_DEPTH and MAX_DIGITS (pkv.core.json_strict) and MAX_STEP_MS
+below. Rows are read one at a time (CSV, JSONL) and reading stops at the first request past
+MAX_REQUESTS, so a file of millions of rows is refused in the time of reading the limit's
+worth. A value is an
 integer only as its text is one ("12", not "12.0", "1e3", "1_000" or true), in CSV and
 JSON alike. A column (CSV header) or key (JSON object) given twice is refused. Every
 error names the file, the line (CSV, JSONL; the item for JSON) and the field.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import re
 from dataclasses import dataclass
@@ -38,6 +40,8 @@ from typing import Iterable
 
 import numpy as np
 
+from pkv.core.json_strict import (MAX_DIGITS, MAX_JSON_DEPTH, DuplicateKey, JsonLongInt, JsonNumber, TooDeep,
+                                  strict_loads)
 from pkv.core.traces import MAX_ARRIVAL_STEP, MAX_LEN, MAX_REQUESTS, Trace, Transform, _trace, apply_transform
 
 
@@ -73,8 +77,6 @@ NUMBER = re.compile(r"[+-]?[0-9]{1,30}(\.[0-9]{1,9})?")   # a numeric time: digi
 # An Azure TIMESTAMP: date, optional time, no timezone (an offset would be converted
 # silently, and rows in several zones mixed).
 TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}([ T][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?")
-MAX_JSON_DEPTH = 64         # nesting of a request file's JSON (a request object is depth 2 or 3)
-MAX_DIGITS = 30             # an integer field longer than this is refused before it is converted
 MAX_STEP_MS = 86_400_000.0  # a step of at most a day: step_ms * 1e6 ns stays a finite float
 
 
@@ -82,22 +84,9 @@ class TraceFileError(ValueError):
     """A request file that cannot be read; the message names file, line and field."""
 
 
-class _JsonNumber(str):
-    """A JSON number that is not an integer token (100.0, 1e3, 2.5), kept as its text."""
-
-
-class _JsonLongInt(str):
-    """A JSON integer token of more than MAX_DIGITS digits, kept as its text (Python refuses to
-    convert one of over 4300 digits, naming neither file nor field)."""
-
-
-def _json_int(text: str):
-    return int(text) if len(text) <= MAX_DIGITS else _JsonLongInt(text)
-
-
 def _shown(raw) -> str:
     """A field's value for a message, at most 40 characters of it."""
-    text = str(raw) if isinstance(raw, (_JsonNumber, _JsonLongInt)) else repr(raw)
+    text = str(raw) if isinstance(raw, (JsonNumber, JsonLongInt)) else repr(raw)
     return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
@@ -107,7 +96,7 @@ def _int_field(path: Path, where: str, name: str, raw) -> int:
         raise TraceFileError(f"{path}:{where}: field '{name}' is missing a value")
     if isinstance(raw, int) and not isinstance(raw, bool):
         return raw
-    text = raw.strip() if isinstance(raw, str) and not isinstance(raw, _JsonNumber) else None
+    text = raw.strip() if isinstance(raw, str) and not isinstance(raw, JsonNumber) else None
     if text is None or not INTEGER.fullmatch(text):
         raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {_shown(raw)}")
     digits = len(text.lstrip("+-").lstrip("0"))
@@ -240,10 +229,8 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
     if suffix == ".jsonl":
         lines = ((n, line) for n, line in enumerate(io.StringIO(text, newline=None), start=1) if line.strip())
         rows = ((f"line {n}", _json_object(path, f"line {n}", line)) for n, line in lines)
-        first = next(rows, None)
-        if first is None:
-            raise TraceFileError(f"{path}: the file is empty")
-        return sorted(first[1]), _chain(first, rows)
+        first = next(rows)   # the text has a non-blank line
+        return sorted(first[1]), itertools.chain([first], rows)
     if suffix == ".json":
         doc = _parse_json(path, text)
         items = doc.get("requests") if isinstance(doc, dict) else doc
@@ -252,11 +239,6 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
         rows = [(f"item {n}", _as_object(path, f"item {n}", r)) for n, r in enumerate(items)]
     columns = sorted({k for _, r in rows for k in r})
     return columns, rows
-
-
-def _chain(first, rest):
-    yield first
-    yield from rest
 
 
 def _csv_step(path: Path, reader: csv.DictReader, step):
@@ -279,50 +261,17 @@ def _read_text(path: Path) -> str:
                              "save the file as UTF-8") from None
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_object(pairs: list[tuple[str, object]]) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-def _json_loads(text: str):
-    doc = json.loads(text, object_pairs_hook=_unique_object, parse_float=_JsonNumber, parse_constant=_JsonNumber,
-                     parse_int=_json_int)
-    if _depth(doc) > MAX_JSON_DEPTH:
-        raise _TooDeep()
-    return doc
-
-
-class _TooDeep(Exception):
-    pass
-
-
-def _depth(value, level: int = 1) -> int:
-    """Nesting depth of a parsed JSON value, stopping once it passes MAX_JSON_DEPTH."""
-    if level > MAX_JSON_DEPTH or not isinstance(value, (dict, list)):
-        return level
-    subs = value.values() if isinstance(value, dict) else value
-    return max((_depth(v, level + 1) for v in subs), default=level)
-
-
 def _parse_json(path: Path, text: str, where: str | None = None):
     """`text` parsed, its faults one TraceFileError naming the file and `where` (a JSONL
     line), or for a whole .json file the line the parser stopped at."""
     at = f"{path}:{where}" if where else str(path)
     try:
-        return _json_loads(text)
+        return strict_loads(text)
     except json.JSONDecodeError as e:
         raise TraceFileError(f"{path}:{where or f'line {e.lineno}'}: not valid JSON ({e.msg})") from None
-    except _DuplicateKey as e:
+    except DuplicateKey as e:
         raise TraceFileError(f"{at}: key '{e.args[0]}' appears twice in one object") from None
-    except (_TooDeep, RecursionError):
+    except (TooDeep, RecursionError):
         flat = "a request is a flat object" if where else "a request file is a list of flat objects"
         raise TraceFileError(f"{at}: JSON nested deeper than {MAX_JSON_DEPTH} levels "
                              f"(pkv.core.trace_files.MAX_JSON_DEPTH); {flat}") from None
