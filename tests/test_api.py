@@ -148,8 +148,8 @@ def _refusal_cases():
         "lens length": (lambda: decode(q, kv, table, lens[:1]), r"seq_lens must be int32 \[batch=2"),
         "out dtype": (lambda: decode(q, kv, table, lens, out=f32), "out must be a contiguous"),
         "out shape": (lambda: decode(q, kv, table, lens, out=q[:1].clone()), "out must be a contiguous"),
-        "scale": (lambda: decode(q, kv, table, lens, sm_scale=0.0), "sm_scale must be > 0"),
-        "cap": (lambda: decode(q, kv, table, lens, logits_soft_cap=-1.0), "logits_soft_cap >= 0"),
+        "scale": (lambda: decode(q, kv, table, lens, sm_scale=0.0), "sm_scale must be finite and > 0"),
+        "cap": (lambda: decode(q, kv, table, lens, logits_soft_cap=-1.0), "logits_soft_cap finite and >= 0"),
         "scales on 16-bit": (lambda: decode(q, kv, table, lens, k_scale=0.5), "read an FP8 cache"),
         "rows": (lambda: decode(torch.zeros(1025, 8, 64).half(), kv, torch.zeros(1025, 3, dtype=torch.int32),
                                 torch.zeros(1025, dtype=torch.int32)), "1..1024 rows"),
@@ -329,3 +329,80 @@ def test_importing_the_api_needs_no_pipeline_package():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def _wrapper(**kw) -> DecodeWrapper:
+    return DecodeWrapper(2, 3, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, device="cpu", **kw)
+
+
+def test_a_narrower_cpu_tensor_table_is_refused_as_the_same_numpy_step_is():
+    """A step whose lengths reach past its table's width would read the earlier step's page ids."""
+    kv, table, lens, q = make([40, 9], seed=8)
+    w = _wrapper()
+    w.update(table, lens)
+    narrow, long = table[:, :1].contiguous(), torch.tensor([40, 9], dtype=torch.int32)
+    for step in ((narrow, long), (narrow.numpy(), long.numpy())):
+        with pytest.raises(ValueError, match=r"seq_lens must be in 0..16 \(block_table width"):
+            w.update(*step)
+
+
+@pytest.mark.parametrize("to", [torch.tensor, np.array], ids=["tensor", "numpy"])
+def test_ids_and_lengths_past_int32_are_refused_not_truncated(to):
+    kv, table, lens, q = make([40, 9], seed=9)
+    w = _wrapper()
+    wide = table.long()
+    wide[0, 0] = 2**32 + 3
+    with pytest.raises(ValueError, match=r"page ids must be in 0..2147483647, got .*4294967299"):
+        w.update(to(wide.numpy()), to(lens.numpy()))
+    with pytest.raises(ValueError, match=r"seq_lens must be in 0..48"):
+        w.update(to(table.numpy()), to(np.array([2**32 + 3, 9], dtype=np.int64)))
+    with pytest.raises(ValueError, match=r"page ids must be in 0..2147483647"):
+        w.update(to(table.numpy().astype(np.uint32) | np.uint32(2**31)), to(lens.numpy()))
+    w.update(to(table.numpy().astype(np.int64)), to(lens.numpy().astype(np.int64)))   # int64 in range is fine
+    assert w.block_table[:, :3].tolist() == table.tolist()
+
+
+def test_bool_tensors_are_refused():
+    kv, table, lens, q = make([40, 9], seed=10)
+    w = _wrapper()
+    with pytest.raises(ValueError, match="must be integers, got .*bool"):
+        w.update(table, torch.tensor([True, True]))
+    with pytest.raises(ValueError, match="must be integers, got bool"):
+        w.update(table.bool(), lens)
+
+
+@pytest.mark.parametrize("option", [{"logits_soft_cap": float("inf")}, {"sm_scale": float("inf")},
+                                    {"sm_scale": float("nan")}, {"k_scale": float("inf")}, {"v_scale": -1.0}])
+def test_a_non_finite_scale_or_cap_is_refused_not_all_nan(option):
+    kv, table, lens, q = make([40, 9], seed=11)
+    if "k_scale" in option or "v_scale" in option:
+        kv = kv.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="must be finite"):
+        decode(q, kv, table, lens, **option)
+    w = _wrapper(kv_fp8=kv.dtype == torch.float8_e4m3fn)
+    w.update(table, lens)
+    with pytest.raises(ValueError, match="must be finite"):
+        w.run(q, kv, **option)
+
+
+def test_padding_rows_of_an_allocated_result_are_zeros_and_run_needs_an_update():
+    kv, table, lens, q = make([40, 0], seed=12)
+    w = _wrapper()
+    with pytest.raises(ValueError, match=r"run\(\) before any update\(\)"):
+        w.run(q, kv)
+    w.update(table[:1], lens[:1])   # one row: q's second row is padding
+    out, lse = w.run(q, kv, return_lse=True)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all() and torch.isfinite(lse[0]).all()
+    out, lse = decode(q, kv, table, lens, return_lse=True)
+    assert (out[1] == 0).all() and torch.isneginf(lse[1]).all()
+    compare(out[:1], attention_reference(q[:1], kv, table[:1], lens[:1]), [40])
+
+
+def test_the_example_prints_what_it_computed():
+    """examples/decode.py prints each row's output and its error against plain attention."""
+    done = subprocess.run([sys.executable, str(REPO / "examples" / "decode.py")], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = re.findall(r"max \|out - reference\| = (\S+), max \|lse - reference\| = (\S+)", done.stdout)
+    assert len(rows) == 2 and all(float(o) < TOL[torch.float16] and float(s) < 1e-4 for o, s in rows), done.stdout
+    assert "decode on cpu: out (2, 32, 128) torch.float16, lse (2, 32) torch.float32" in done.stdout

@@ -387,7 +387,8 @@ def test_deep_json_and_huge_csv_fields_are_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--file", "x.csv", "--step-ms", "inf"], "argument --step-ms: must be a finite number > 0, got 'inf'"),
+    (["--file", "x.csv", "--step-ms", "inf"],
+     "argument --step-ms: must be a finite number in (0, 86400000.0], got 'inf'"),
     (["--family", "bimodal", "--num-requests", "1000000000000"],
      f"argument --num-requests: must be in 1..{MAX_REQUESTS}, got 1000000000000"),
 ])
@@ -459,8 +460,10 @@ def test_a_corrupt_constants_file_is_named_not_blamed_on_the_parquet(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--family", "bimodal", "--seed", "-1"], "argument --seed: must be in 0..4294967295, got -1"),
-    (["--file", "x.csv", "--step-ms", "nan"], "argument --step-ms: must be a finite number > 0, got 'nan'"),
-    (["--family", "bimodal", "--prompt-scale", "nan"], "argument --prompt-scale: must be a finite number > 0, got 'nan'"),
+    (["--file", "x.csv", "--step-ms", "nan"],
+     "argument --step-ms: must be a finite number in (0, 86400000.0], got 'nan'"),
+    (["--family", "bimodal", "--prompt-scale", "nan"],
+     f"argument --prompt-scale: must be a finite number in (0, {MAX_LEN}], got 'nan'"),
 ])
 def test_bad_flag_values_name_the_flag(flags, message):
     assert one_line(pkv("trace", "show", *flags)).endswith(message)

@@ -56,3 +56,15 @@ def test_bad_input_is_one_line_no_traceback(tmp_path, name, text):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pkv: error: ") and str(p) in lines[0]
     assert "Traceback" not in r.stderr
+
+
+def test_a_kernel_only_install_is_told_which_extra_report_needs(tmp_path):
+    """Without the pipeline extra (pandas absent), `pkv report` says what to install in one line."""
+    probe = ("import sys; sys.modules['pandas'] = None\n"
+             "from pkv.cli.main import main\n"
+             f"sys.exit(main(['report', {str(tmp_path)!r}]))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        "pkv: error: `pkv report` needs pandas, from the pipeline extra, which this install lacks (the kernels "
+        "alone); install it with: pip install 'pkv[pipeline]' (or, in a checkout, pip install -e '.[pipeline]')"]

@@ -165,3 +165,54 @@ def test_compare_never_pairs_two_different_external_traces(tmp_path):
     text = compare(run, ref)
     assert "## Code completions\n" in text
     assert "Not compared: this run replays the external trace 'code', the reference run 'azure2023'." in text
+
+
+def _tampered(root: Path, seed: int, edit) -> Path:
+    """Seed `seed`'s serving file rewritten by `edit(frame) -> frame` (its metadata kept)."""
+    import pyarrow.parquet as pq
+
+    from pkv.core.io import read_meta
+
+    f = root / "raw" / "serve" / f"bimodal-b8-s{seed}-main.parquet"
+    meta = read_meta(f)
+    write_parquet(edit(pq.read_table(f).to_pandas()), f, meta)
+    return f
+
+
+def _bitflipped(frame):
+    frame.loc[frame["engine"] == "adaptive", "wall_s"] = 1e-23
+    return frame
+
+
+def _textual(frame):
+    return frame.assign(wall_s=frame["wall_s"].map(str))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_bitflipped, r"column wall_s row \d+ \(engine adaptive, step 0\) is 1e-23 s, outside a plausible"),
+    (lambda frame: frame.drop(columns="wall_s"), r"no column wall_s: not a complete serve file"),
+    (_textual, r"column wall_s holds (object|str|string) values, not times in seconds"),
+    (lambda frame: frame.assign(cuda_s=frame["cuda_s"].where((frame["engine"] != "adaptive") | (frame["step"] != 1),
+                                                             1e-6)),
+     r"column cuda_s row \d+ \(engine adaptive, step 1\) is 1e-06 s, 5e\+05 times off the same step's other "
+     r"engines \(median 0.5 s\)"),
+])
+def test_a_damaged_times_column_is_refused_naming_file_and_column(tmp_path, edit, message):
+    for seed in SEEDS:
+        _serve(tmp_path, seed)
+    bad = _tampered(tmp_path, SEEDS[1], edit)
+    with pytest.raises(ReportError, match=rf"^{bad}: {message}"):
+        load(tmp_path, ("serve",))
+    for command in (("report", str(tmp_path)), ("compare", str(tmp_path), "--reference", str(tmp_path))):
+        done = _pkv(*command)
+        assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+        assert len(done.stderr.strip().splitlines()) == 1 and str(bad) in done.stderr
+    assert not (tmp_path / "tables").exists()
+
+
+def test_device_times_not_measured_are_fine(tmp_path):
+    """On the CPU cuda_s is NaN: not a damaged value."""
+    for seed in SEEDS:
+        _serve(tmp_path, seed)
+    _tampered(tmp_path, SEEDS[0], lambda frame: frame.assign(cuda_s=float("nan")))
+    assert len(load(tmp_path, ("serve",)).frame) == 9 * len(SEEDS)

@@ -158,3 +158,61 @@ def test_peak_active_agrees_with_step_by_step_batching(seed):
         stepwise = max(s.active for s in decode_steps(t, max_active))
         assert peak_active(t, max_active) == stepwise
     assert MAX_SIMULATED_STEPS >= 1_000_000
+
+
+def pkv_trace(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pkv", "trace", "show", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def one_line(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    return done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--step-ms", "1e303", "argument --step-ms: must be a finite number in (0, 86400000.0], got '1e303'"),
+    ("--prompt-scale", "1e18", f"argument --prompt-scale: must be a finite number in (0, {MAX_LEN}], got '1e18'"),
+])
+def test_huge_flag_values_are_refused_by_name(tmp_path, flag, value, message):
+    p = write(tmp_path, "t.csv", "input_length,output_length,timestamp\n100,5,0\n200,5,3\n")
+    assert one_line(pkv_trace("--file", str(p), flag, value)).endswith(message)
+
+
+def test_a_huge_step_or_scale_through_the_api_is_one_value_error(tmp_path):
+    from pkv.core.traces import Transform
+
+    p = write(tmp_path, "t.csv", "input_length,output_length,timestamp\n100,5,0\n200,5,3\n")
+    with pytest.raises(ValueError, match=r"step_ms must be a number in \(0, 86400000\] ms"):
+        load_trace(p, step_ms=1e303)
+    with pytest.raises(ValueError, match=rf"prompt_scale must be a number in \(0, {MAX_LEN}\]"):
+        Transform(prompt_scale=1e18)
+
+
+@pytest.mark.parametrize("name, text", [
+    ("long.csv", "prompt_len,decode_len\n5,{}\n"),
+    ("long.jsonl", '{{"prompt_len": 5, "decode_len": {}}}\n'),
+    ("long.json", '[{{"prompt_len": 5, "decode_len": {}}}]'),
+])
+def test_a_5000_digit_length_names_file_line_and_field(tmp_path, name, text):
+    p = write(tmp_path, name, text.format("9" * 5000))
+    msg = refused(p, "field 'decode_len' is an integer of 5000 digits")
+    assert ("line 2" if name.endswith(".csv") else "line 1" if name.endswith(".jsonl") else "item 0") in msg
+    assert len(msg) < 400
+
+
+def test_a_file_past_the_request_limit_stops_reading_at_the_limit(tmp_path, monkeypatch):
+    """Reading stops at the first request past MAX_REQUESTS: rows after it are never parsed
+    (here a broken row right after the limit would fail with another message)."""
+    import pkv.core.trace_files as tf
+
+    monkeypatch.setattr(tf, "MAX_REQUESTS", 3)
+    for name, row, broken in (("many.csv", "5,5\n", "x,y,z,w\n"),
+                              ("many.jsonl", '{"prompt_len": 5, "decode_len": 5}\n', "not json\n")):
+        header = "prompt_len,decode_len\n" if name.endswith(".csv") else ""
+        p = write(tmp_path, name, header + row * 4 + broken * 3)
+        line = "line 5" if name.endswith(".csv") else "line 4"
+        msg = refused(p, f"{line}: more than 3 requests")
+        assert "--max-requests applies only after loading" in msg and "split it" in msg
+        p = write(tmp_path, name, header + row * 3)
+        assert len(load_trace(p)) == 3

@@ -8,6 +8,8 @@ the step's metadata at fixed addresses for CUDA graphs.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from pkv.api.layouts import KvView, kv_view
@@ -30,9 +32,11 @@ def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: t
     for name, t in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens), ("out", out)):
         if not isinstance(t, torch.Tensor) and (t is not None or name != "out"):
             raise ValueError(f"pkv decode: {name} must be a torch.Tensor on the device, got {type(t).__name__}")
+    # Rows of length 0 (padding) are skipped by the kernel: in a result the op allocates they
+    # read as zeros, and their lse as -inf (the log of an empty sum), never as uninitialised memory.
     if out is None:
-        out = torch.empty_like(q)
-    lse = torch.empty(q.shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        out = torch.zeros_like(q)
+    lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     paged_decode(q, view.k, view.v, block_table, seq_lens, workspace, out, lse, scale,
                  float(logits_soft_cap or 0.0), 1.0 if k_scale is None else float(k_scale),

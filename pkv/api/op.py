@@ -16,6 +16,7 @@ fresh one.
 
 from __future__ import annotations
 
+import math
 from functools import cache
 
 import numpy as np
@@ -124,10 +125,11 @@ def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, lo
         _fail(f"lse must be a contiguous float32 [{batch}, {hq}], got {lse.dtype} {list(lse.shape)}")
     if workspace is not None and (workspace.dtype != torch.float32 or workspace.dim() != 1):
         _fail("workspace must be a 1-D float32 tensor from make_workspace")
-    if not sm_scale > 0 or not logits_soft_cap >= 0:
-        _fail(f"sm_scale must be > 0 and logits_soft_cap >= 0, got {sm_scale} and {logits_soft_cap}")
-    if not (k_scale > 0 and v_scale > 0):
-        _fail(f"k_scale and v_scale must be > 0, got {k_scale} and {v_scale}")
+    # A scale or cap of inf (or NaN) would make every output NaN: each must be finite.
+    if not (sm_scale > 0 and math.isfinite(sm_scale)) or not (logits_soft_cap >= 0 and math.isfinite(logits_soft_cap)):
+        _fail(f"sm_scale must be finite and > 0, logits_soft_cap finite and >= 0, got {sm_scale} and {logits_soft_cap}")
+    if not (k_scale > 0 and v_scale > 0 and math.isfinite(k_scale) and math.isfinite(v_scale)):
+        _fail(f"k_scale and v_scale must be finite and > 0, got {k_scale} and {v_scale}")
     if not fp8 and (k_scale != 1.0 or v_scale != 1.0):
         _fail(f"k_scale and v_scale read an FP8 cache; this cache is {k.dtype}")
     return shape

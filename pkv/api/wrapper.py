@@ -30,6 +30,9 @@ def _unsigned(dtype: np.dtype) -> np.dtype:
     return np.dtype(dtype.str.replace("i", "u"))
 
 
+INT32_MAX = 2**31 - 1
+
+
 class DecodeWrapper:
     """Decode for steps of up to `max_batch` rows, each with up to `max_pages` pages."""
 
@@ -52,15 +55,20 @@ class DecodeWrapper:
         self.seq_lens = self.meta[:max_batch]
         self.block_table = self.meta[max_batch:].view(max_batch, max_pages)
         self._staging = PinnedStaging(self.device, capacity=self.meta.numel())
+        self._updated = False   # run() before the first update() would read no step at all
 
     def update(self, block_table, seq_lens) -> None:
         """The step's metadata for every layer: block_table [b, w] (w <= max_pages) and seq_lens [b]
-        (b <= max_batch; rows b.. become padding). Tensors on the wrapper's device are copied there;
-        host arrays are checked and uploaded in one copy."""
-        on_device = all(isinstance(t, torch.Tensor) and t.device == self.device for t in (block_table, seq_lens))
+        (b <= max_batch; rows b.. become padding). Host arrays and CPU tensors are checked (integers,
+        lengths in 0..w * page_size, page ids that fit int32) and uploaded in one copy. int32 tensors
+        already on the wrapper's CUDA device are copied there as they are, without a check (a check
+        would sync): their lengths must be <= w * page_size."""
+        on_device = all(isinstance(t, torch.Tensor) and t.device == self.device for t in (block_table, seq_lens)) \
+            and self.device.type == "cuda"
         if on_device:
-            if block_table.dtype.is_floating_point or seq_lens.dtype.is_floating_point:
-                raise ValueError("pkv decode: block_table and seq_lens must be integer tensors")
+            if block_table.dtype != torch.int32 or seq_lens.dtype != torch.int32:
+                raise ValueError(f"pkv decode: block_table and seq_lens on {self.device} must be int32 tensors, got "
+                                 f"{block_table.dtype} and {seq_lens.dtype} (a wider value would be cut to 32 bits)")
         else:
             block_table = np.asarray(block_table.cpu() if isinstance(block_table, torch.Tensor) else block_table)
             seq_lens = np.asarray(seq_lens.cpu() if isinstance(seq_lens, torch.Tensor) else seq_lens)
@@ -74,13 +82,21 @@ class DecodeWrapper:
             self.seq_lens[:b].copy_(seq_lens)
             self.seq_lens[b:].zero_()
             self.block_table[:b, :w].copy_(block_table)
+            self._updated = True
             return
         if seq_lens.dtype.kind not in "iu" or block_table.dtype.kind not in "iu":
-            raise ValueError("pkv decode: block_table and seq_lens must be integers")
+            raise ValueError(f"pkv decode: block_table and seq_lens must be integers, got {block_table.dtype} and "
+                             f"{seq_lens.dtype}")
         # One reduction for both bounds: read as unsigned, a negative length is above any bound.
         if b and int(seq_lens.view(_unsigned(seq_lens.dtype)).max()) > w * self.shape.page_size:
             raise ValueError(f"pkv decode: seq_lens must be in 0..{w * self.shape.page_size} "
                              f"(block_table width x page size), got {seq_lens.min()}..{seq_lens.max()}")
+        # Page ids wider than int32 (int64, uint32) would be cut to 32 bits: one unsigned reduction
+        # refuses a negative id or one past int32's range. int32 ids (the common case) need none.
+        if b and w and block_table.dtype.itemsize * 8 - (block_table.dtype.kind == "i") > 31 \
+                and int(block_table.view(_unsigned(block_table.dtype)).max()) > INT32_MAX:
+            raise ValueError(f"pkv decode: block_table page ids must be in 0..{INT32_MAX}, got "
+                             f"{block_table.min()}..{block_table.max()}")
         # Written in place into the pinned buffer, then one copy of its first b table rows: the
         # kernel reads row r's first ceil(len_r / page) <= w ids and nothing of rows >= b (length
         # 0), so what an earlier step left past column w or row b is never read. (Copying the whole
@@ -91,12 +107,15 @@ class DecodeWrapper:
         buf[b:mb] = 0
         buf[mb:mb + b * mp].reshape(b, mp)[:, :w] = block_table
         self._staging.send(mb + b * mp, out=self.meta)
+        self._updated = True
 
     def run(self, q: torch.Tensor, kv_layer, *, out: torch.Tensor | None = None, return_lse: bool = False,
             sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale: float | None = None,
             v_scale: float | None = None):
         """One layer's decode over its own KV (a tensor or (K, V) pair in the wrapper's layout), with the
         metadata of the last update(); q has up to max_batch rows. Same options and result as pkv.api.decode."""
+        if not self._updated:
+            raise ValueError("pkv decode: run() before any update(): give the step's block_table and seq_lens first")
         view = kv_view(kv_layer, self.layout)
         _check_reading(view, self.layout, self.shape.num_kv_heads, self.shape.page_size)
         rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1

@@ -94,11 +94,33 @@ def _command(argv: list[str]) -> str | None:
     return None
 
 
+# Packages of the `pipeline` extra (pyproject.toml) and those they bring (yaml, jsonschema): a
+# kernel-only install (`pip install pkv`, pkv.api alone) lacks them.
+PIPELINE_PACKAGES = frozenset({"pandas", "pyarrow", "seaborn", "matplotlib", "snakemake", "tqdm", "tabulate", "yaml",
+                               "jsonschema"})
+
+
+def missing_package(e: ModuleNotFoundError, command: str | None) -> str:
+    """One line for a command whose package is not installed: which extra brings it."""
+    name = (e.name or "").split(".")[0]
+    what = f"`pkv {command}`" if command else "pkv"
+    if name in PIPELINE_PACKAGES:
+        return (f"{what} needs {name}, from the pipeline extra, which this install lacks (the kernels alone); "
+                "install it with: pip install 'pkv[pipeline]' (or, in a checkout, pip install -e '.[pipeline]')")
+    return f"{what} needs the Python package {name!r}, which is not installed"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser(_command(argv) or "").parse_args(argv)
+    command = _command(argv)
     try:
+        args = build_parser(command or "").parse_args(argv)
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] == "pkv":   # pkv's own module: a broken install, not a missing extra
+            raise
+        print(f"pkv: error: {missing_package(e, command)}", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as e:
         # Bad input ends in one line on stderr, never a traceback.
         print(f"pkv: error: {e}", file=sys.stderr)

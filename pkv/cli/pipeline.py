@@ -5,6 +5,11 @@ config) and writes one Parquet file per job atomically, provenance included; a s
 `many` flag (pkv.config.stages) measures several jobs in one process (`--seed S1 S2 --out
 F1 F2`), every job's flags checked before the first is measured. Each command imports
 only what it uses: the report and the comparison never import torch.
+
+Outputs are only ever regular files of the run's own folder, checked before any work: for a
+command given --config, the folder of that frozen config.json (where `freeze-config` wrote
+it); for `compare`, RUN_DIR. A directory, a device, a FIFO, a link or a path outside that
+folder as --out (or --raw) is refused in one line.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import sys
 from pathlib import Path
 
 from pkv.cli.args import integer, seed
-from pkv.core.io import atomic_write_text, file_hash, provenance, write_parquet
+from pkv.core.io import atomic_write_text, check_inside, check_writable, file_hash, provenance, write_parquet
 from pkv.config.jobs import check_job, flag_of
 from pkv.config.resolve import (SMOKE_BANNER, ConfigError, check_config, check_constants, config_hash, load_config,
                                 load_schema, validate_config, write_config)
@@ -29,17 +34,20 @@ from pkv.config.typed import Config
 def add_commands(sub) -> None:
     fr = sub.add_parser("freeze-config", help="write the resolved experiment config every command reads")
     fr.add_argument("--json", required=True, help="the resolved config (profile applied) as JSON")
-    fr.add_argument("--out", required=True, help="the frozen config.json to write")
+    fr.add_argument("--out", required=True, help="the frozen config.json to write; its folder is the run's folder, "
+                    "where every other command's outputs must go (a regular file or a new name)")
     fr.set_defaults(func=freeze_config_cmd)
 
     bk = sub.add_parser("build-kernels", help="build every kernel the run loads, side by side (fresh machine's JIT)")
     bk.add_argument("--config", required=True, help="the frozen config.json")
-    bk.add_argument("--out", required=True, help="the manifest (JSON) of what was built and how long it took")
+    bk.add_argument("--out", required=True, help="the manifest (JSON) of what was built and how long it took, "
+                    "inside the folder of --config")
     bk.set_defaults(func=build_kernels_cmd)
 
     cal = sub.add_parser("calibrate", help="fit and freeze the cost-model constants (calibration seed only)")
     _common(cal, constants=False)
-    cal.add_argument("--raw", required=True, help="Parquet file for the calibration sweep's rows")
+    cal.add_argument("--raw", required=True, help="Parquet file for the calibration sweep's rows, inside the folder "
+                     "of --config")
     cal.set_defaults(func=calibrate_cmd)
 
     meas = sub.add_parser("measure", help="run measurement jobs of a pipeline stage")
@@ -71,7 +79,7 @@ def add_commands(sub) -> None:
     cmp.add_argument("run_dir", nargs="?", help="the run's results folder, e.g. results/runs/nvidia-h200-2026-11-30 "
                      "(default: the folder two levels above --out)")
     cmp.add_argument("--reference", default="results", help="the committed reference run's folder")
-    cmp.add_argument("--out", help="Markdown file to write (default: RUN_DIR/tables/comparison.md)")
+    cmp.add_argument("--out", help="Markdown file to write, inside RUN_DIR (default: RUN_DIR/tables/comparison.md)")
     cmp.set_defaults(func=compare_cmd)
 
 
@@ -79,10 +87,19 @@ def _common(p: argparse.ArgumentParser, constants: bool = True, many: bool = Fal
     p.add_argument("--config", required=True, help="the frozen config.json of this run")
     if constants:
         p.add_argument("--constants", required=True, help="results/calibration/constants.json")
+    where = "inside the folder of --config (the run's folder)"
     if many:
-        p.add_argument("--out", required=True, nargs="+", help="the file each job writes (atomically), in order")
+        p.add_argument("--out", required=True, nargs="+",
+                       help=f"the file each job writes (atomically), in order, {where}")
     else:
-        p.add_argument("--out", required=True, help="the file this job writes (atomically)")
+        p.add_argument("--out", required=True, help=f"the file this job writes (atomically), {where}")
+
+
+def check_outputs(args, *paths: tuple[str, str]) -> None:
+    """Each (flag, path) is a regular file or a new name inside the run's folder: the folder
+    of --config."""
+    for flag, path in paths:
+        check_inside(path, Path(args.config).parent, flag, "the run's folder (the folder of --config)")
 
 
 # Checked types (pkv.cli.args) and help of the stage table's flag kinds (pkv.config.stages).
@@ -113,6 +130,7 @@ def freeze_config_cmd(args) -> int:
     validate_config(cfg, load_schema(), "freeze-config --json")
     typed = Config.from_dict(cfg, "freeze-config --json")   # first: a section's missing key, by name
     check_config(cfg, "freeze-config --json")
+    check_writable(args.out)
     write_config(cfg, args.out)
     print(f"froze profile {typed.profile} (config hash {config_hash(cfg)}) to {args.out}", file=sys.stderr)
     return 0
@@ -121,6 +139,7 @@ def freeze_config_cmd(args) -> int:
 def calibrate_cmd(args) -> int:
     from pkv.measure.calibrate import calibrate
 
+    check_outputs(args, ("--out", args.out), ("--raw", args.raw))
     cfg = load_config(args.config)
     check_device(Config.from_dict(cfg, args.config))
     _announce(cfg)
@@ -187,8 +206,9 @@ def measure_cmd(args) -> int:
     cfg = load_config(args.config)
     constants = check_constants(cfg, args.constants)
     jobs = jobs_of(args)
-    for job in jobs:        # every job's flags before any is measured
+    for job in jobs:        # every job's flags and file before any is measured
         check_args(cfg, job)
+        check_outputs(job, ("--out", job.out))
     from pkv.plan.costmodel import Constants
 
     k = Constants.of(constants, args.constants)   # a constants file missing a key is refused before the banner
@@ -208,6 +228,7 @@ def measure_cmd(args) -> int:
 def build_kernels_cmd(args) -> int:
     from pkv.measure.warm import build_all, write_manifest
 
+    check_outputs(args, ("--out", args.out))
     cfg = load_config(args.config)
     manifest = build_all(cfg)
     write_manifest(manifest, cfg, args.out)
@@ -221,6 +242,7 @@ def nsight_cmd(args) -> int:
     if ncu is None:
         raise OSError("nsight: `ncu` (Nsight Compute) is not on PATH; install it, or set `nsight: false` "
                       "in config.yaml (or pass --config nsight=False) to run `all` without the Nsight stage")
+    check_outputs(args, ("--out", args.out))
     cfg = load_config(args.config)
     check_constants(cfg, args.constants)
     c = Config.from_dict(cfg, args.config).nsight_capture
@@ -266,6 +288,7 @@ def compare_cmd(args) -> int:
         raise ValueError("compare: name RUN_DIR, or --out RUN_DIR/tables/comparison.md")
     run = Path(args.run_dir) if args.run_dir else Path(args.out).parent.parent
     out = Path(args.out) if args.out else run / "tables" / "comparison.md"
+    check_inside(out, run, "--out", "RUN_DIR")
     text = compare(run, Path(args.reference))
     atomic_write_text(out, text)
     print(out)

@@ -8,7 +8,7 @@ import numpy as np
 
 from pkv.cli.args import integer, positive_number, seed
 from pkv.core.harness import peak_active
-from pkv.core.trace_files import TIME_UNITS, columns, load_trace, parse_columns
+from pkv.core.trace_files import MAX_STEP_MS, TIME_UNITS, columns, load_trace, parse_columns
 from pkv.core.traces import FAMILIES, MAX_LEN, MAX_REQUESTS, SyntheticSpec, Trace, Transform, apply_transform, synthetic
 
 
@@ -24,11 +24,13 @@ def add_commands(sub) -> None:
     show.add_argument("--num-requests", type=integer(1, MAX_REQUESTS), default=16, help="synthetic trace: requests")
     show.add_argument("--decode-min", type=integer(1, MAX_LEN), default=16, help="synthetic trace: shortest decode length")
     show.add_argument("--decode-max", type=integer(1, MAX_LEN), default=64, help="synthetic trace: longest decode length")
-    show.add_argument("--step-ms", type=positive_number(), default=100.0, help="step length for timestamped files")
+    show.add_argument("--step-ms", type=positive_number(MAX_STEP_MS), default=100.0,
+                      help="step length for timestamped files, at most a day")
     show.add_argument("--columns", type=_column_map, help="read --file by these columns: prompt=NAME,decode=NAME"
                       "[,time=NAME[:s|ms]] (a time without :s or :ms takes --time-unit)")
     show.add_argument("--time-unit", choices=sorted(TIME_UNITS), help="unit of the --columns time column")
-    show.add_argument("--prompt-scale", type=positive_number(), default=1.0, help="multiply prompt lengths (recorded)")
+    show.add_argument("--prompt-scale", type=positive_number(MAX_LEN), default=1.0,
+                      help=f"multiply prompt lengths (recorded); a request stays at most {MAX_LEN} tokens")
     show.add_argument("--min-len", type=integer(1, MAX_LEN), help="drop requests shorter than this (total tokens)")
     show.add_argument("--max-len", type=integer(1, MAX_LEN), help="drop requests longer than this (total tokens)")
     show.add_argument("--max-requests", type=integer(1, MAX_REQUESTS), help="keep the first N requests by arrival")

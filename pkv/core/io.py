@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 from functools import cache
@@ -141,6 +142,35 @@ def _named(path: Path, e: OSError) -> OSError:
     return named
 
 
+def check_writable(path: str | Path) -> None:
+    """An output is only ever a regular file: a directory, a device (/dev/null, /dev/full), a
+    FIFO, a socket or a symbolic link at `path` is refused in one OSError line, never renamed
+    over (the atomic rename would replace the special file with a regular one)."""
+    path = Path(path)
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise _named(path, e) from None
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(f"{path}: is a directory, not a file that can be written")
+    if not stat.S_ISREG(mode):
+        kind = "a symbolic link" if stat.S_ISLNK(mode) else "a special file (device, FIFO or socket)"
+        raise OSError(f"{path}: is {kind}; an output must be a regular file or a new name")
+
+
+def check_inside(path: str | Path, root: str | Path, flag: str, what: str) -> Path:
+    """`path` (an output flag's value) is a regular file or a new name under `root`, the
+    folder of the run it belongs to; else one OSError line naming `flag`. The path, resolved."""
+    resolved = Path(path).resolve()
+    base = Path(root).resolve()
+    if not resolved.is_relative_to(base):
+        raise OSError(f"{flag} {path}: outside {what} {base}; write the run's outputs inside its folder")
+    check_writable(path)
+    return resolved
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     atomic_write_many({Path(path): data})
 
@@ -148,7 +178,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 def atomic_write_many(files: dict[Path, bytes]) -> None:
     """Write every file or none: each is staged beside its final name first (a directory
     in the way, a full disk or a read-only folder fails here, before any is replaced),
-    then all are renamed into place; should a rename fail, the files already renamed get
+    then all are renamed into place (anything but a regular file at a name is refused
+    first: check_writable); should a rename fail, the files already renamed get
     their old content back (each is kept as a hard link until all are in place). An
     OSError names the path it failed on."""
     staged: dict[Path, str] = {}
@@ -156,8 +187,7 @@ def atomic_write_many(files: dict[Path, bytes]) -> None:
     try:
         for path, data in files.items():
             path = Path(path)
-            if path.is_dir():
-                raise IsADirectoryError(f"{path}: is a directory, not a file that can be written")
+            check_writable(path)
             try:
                 staged[path] = _stage(path, data)
             except OSError as e:

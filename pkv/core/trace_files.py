@@ -12,7 +12,10 @@ config's external.columns). A numeric time is seconds or milliseconds, as the fo
 the mapping says, and never read as a date.
 
 The request file's own limits are its trace's (pkv.core.traces: MAX_LEN, MAX_REQUESTS,
-MAX_ARRIVAL_STEP) and MAX_JSON_DEPTH below. A value is an
+MAX_ARRIVAL_STEP), MAX_JSON_DEPTH and MAX_DIGITS (pkv.core.json_strict) and MAX_STEP_MS
+below. Rows are read one at a time (CSV, JSONL) and reading stops at the first request past
+MAX_REQUESTS, so a file of millions of rows is refused in the time of reading the limit's
+worth. A value is an
 integer only as its text is one ("12", not "12.0", "1e3", "1_000" or true), in CSV and
 JSON alike. A column (CSV header) or key (JSON object) given twice is refused. Every
 error names the file, the line (CSV, JSONL; the item for JSON) and the field.
@@ -27,8 +30,8 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
-import math
 import re
 from dataclasses import dataclass
 from decimal import Decimal
@@ -37,6 +40,8 @@ from typing import Iterable
 
 import numpy as np
 
+from pkv.core.json_strict import (MAX_DIGITS, MAX_JSON_DEPTH, DuplicateKey, JsonLongInt, JsonNumber, TooDeep,
+                                  strict_loads)
 from pkv.core.traces import MAX_ARRIVAL_STEP, MAX_LEN, MAX_REQUESTS, Trace, Transform, _trace, apply_transform
 
 
@@ -72,15 +77,17 @@ NUMBER = re.compile(r"[+-]?[0-9]{1,30}(\.[0-9]{1,9})?")   # a numeric time: digi
 # An Azure TIMESTAMP: date, optional time, no timezone (an offset would be converted
 # silently, and rows in several zones mixed).
 TIMESTAMP = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}([ T][0-9]{2}:[0-9]{2}(:[0-9]{2}(\.[0-9]{1,9})?)?)?")
-MAX_JSON_DEPTH = 64         # nesting of a request file's JSON (a request object is depth 2 or 3)
+MAX_STEP_MS = 86_400_000.0  # a step of at most a day: step_ms * 1e6 ns stays a finite float
 
 
 class TraceFileError(ValueError):
     """A request file that cannot be read; the message names file, line and field."""
 
 
-class _JsonNumber(str):
-    """A JSON number that is not an integer token (100.0, 1e3, 2.5), kept as its text."""
+def _shown(raw) -> str:
+    """A field's value for a message, at most 40 characters of it."""
+    text = str(raw) if isinstance(raw, (JsonNumber, JsonLongInt)) else repr(raw)
+    return text if len(text) <= 40 else f"{text[:20]}...{text[-8:]} ({len(text)} characters)"
 
 
 def _int_field(path: Path, where: str, name: str, raw) -> int:
@@ -89,10 +96,13 @@ def _int_field(path: Path, where: str, name: str, raw) -> int:
         raise TraceFileError(f"{path}:{where}: field '{name}' is missing a value")
     if isinstance(raw, int) and not isinstance(raw, bool):
         return raw
-    text = raw.strip() if isinstance(raw, str) and not isinstance(raw, _JsonNumber) else None
+    text = raw.strip() if isinstance(raw, str) and not isinstance(raw, JsonNumber) else None
     if text is None or not INTEGER.fullmatch(text):
-        shown = str(raw) if isinstance(raw, _JsonNumber) else repr(raw)
-        raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {shown}")
+        raise TraceFileError(f"{path}:{where}: field '{name}' must be an integer, got {_shown(raw)}")
+    digits = len(text.lstrip("+-").lstrip("0"))
+    if digits > MAX_DIGITS:
+        raise TraceFileError(f"{path}:{where}: field '{name}' is an integer of {digits} digits, above any limit "
+                             f"(at most {MAX_DIGITS} digits are read)")
     return int(text)
 
 
@@ -114,7 +124,7 @@ def _timestamp_ns(path: Path, where: str, raw) -> int:
         if isinstance(raw, int) or NUMBER.fullmatch(text):   # a number in a column named TIMESTAMP
             hint = " (a number: read a numeric time with --columns ...,time=TIMESTAMP:s|ms)"
         raise TraceFileError(f"{path}:{where}: field 'TIMESTAMP' is not a timestamp YYYY-MM-DD[ HH:MM[:SS[.f]]]"
-                             f"{hint}: {raw!r}")
+                             f"{hint}: {_shown(raw)}")
     try:
         return int(np.datetime64(text.replace(" ", "T"), "ns").astype(np.int64))
     except (ValueError, OverflowError):
@@ -129,9 +139,8 @@ def _number_ns(path: Path, where: str, name: str, raw, unit: str) -> int:
         return raw * TIME_UNITS[unit]
     text = raw.strip() if isinstance(raw, str) else None
     if text is None or not NUMBER.fullmatch(text):
-        shown = str(raw) if isinstance(raw, _JsonNumber) else repr(raw)
         raise TraceFileError(f"{path}:{where}: field '{name}' must be a time in {unit} (digits, optional decimals; "
-                             f"never a date), got {shown}")
+                             f"never a date), got {_shown(raw)}")
     return int(Decimal(text) * TIME_UNITS[unit])
 
 
@@ -189,7 +198,9 @@ def detect(path: Path, names: list[str]) -> Format:
 
 
 def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
-    """(column names, (location, record) pairs) of a CSV, JSON or JSONL file."""
+    """(column names, (location, record) pairs) of a CSV, JSON or JSONL file. The pairs of a
+    CSV or JSONL file are read as they are taken (the caller stops at its limit); a JSONL
+    file's columns are its first record's keys."""
     suffix = path.suffix.lower()
     if suffix not in (".csv", ".json", ".jsonl"):
         raise TraceFileError(f"{path}: unknown extension {path.suffix!r}; use .csv, .json or .jsonl")
@@ -206,18 +217,21 @@ def _records(path: Path) -> tuple[list[str], Iterable[tuple[str, dict]]]:
                 raise TraceFileError(f"{path}:line 1: column '{c}' appears twice in the header")
             seen.add(c)
         reader.fieldnames = columns
-        rows = []
-        for row in iter(lambda: _csv_step(path, reader, lambda: next(reader, None)), None):
-            if None in row:
-                raise TraceFileError(f"{path}:line {reader.line_num}: more values than the header's {len(columns)} columns")
-            rows.append((f"line {reader.line_num}", row))
-        return columns, rows
+
+        def csv_rows():
+            for row in iter(lambda: _csv_step(path, reader, lambda: next(reader, None)), None):
+                if None in row:
+                    raise TraceFileError(f"{path}:line {reader.line_num}: more values than the header's "
+                                         f"{len(columns)} columns")
+                yield f"line {reader.line_num}", row
+
+        return columns, csv_rows()
     if suffix == ".jsonl":
-        rows = []
-        for n, line in enumerate(text.splitlines(), start=1):
-            if line.strip():
-                rows.append((f"line {n}", _json_object(path, f"line {n}", line)))
-    elif suffix == ".json":
+        lines = ((n, line) for n, line in enumerate(io.StringIO(text, newline=None), start=1) if line.strip())
+        rows = ((f"line {n}", _json_object(path, f"line {n}", line)) for n, line in lines)
+        first = next(rows)   # the text has a non-blank line
+        return sorted(first[1]), itertools.chain([first], rows)
+    if suffix == ".json":
         doc = _parse_json(path, text)
         items = doc.get("requests") if isinstance(doc, dict) else doc
         if not isinstance(items, list):
@@ -247,49 +261,17 @@ def _read_text(path: Path) -> str:
                              "save the file as UTF-8") from None
 
 
-class _DuplicateKey(Exception):
-    pass
-
-
-def _unique_object(pairs: list[tuple[str, object]]) -> dict:
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _DuplicateKey(key)
-        out[key] = value
-    return out
-
-
-def _json_loads(text: str):
-    doc = json.loads(text, object_pairs_hook=_unique_object, parse_float=_JsonNumber, parse_constant=_JsonNumber)
-    if _depth(doc) > MAX_JSON_DEPTH:
-        raise _TooDeep()
-    return doc
-
-
-class _TooDeep(Exception):
-    pass
-
-
-def _depth(value, level: int = 1) -> int:
-    """Nesting depth of a parsed JSON value, stopping once it passes MAX_JSON_DEPTH."""
-    if level > MAX_JSON_DEPTH or not isinstance(value, (dict, list)):
-        return level
-    subs = value.values() if isinstance(value, dict) else value
-    return max((_depth(v, level + 1) for v in subs), default=level)
-
-
 def _parse_json(path: Path, text: str, where: str | None = None):
     """`text` parsed, its faults one TraceFileError naming the file and `where` (a JSONL
     line), or for a whole .json file the line the parser stopped at."""
     at = f"{path}:{where}" if where else str(path)
     try:
-        return _json_loads(text)
+        return strict_loads(text)
     except json.JSONDecodeError as e:
         raise TraceFileError(f"{path}:{where or f'line {e.lineno}'}: not valid JSON ({e.msg})") from None
-    except _DuplicateKey as e:
+    except DuplicateKey as e:
         raise TraceFileError(f"{at}: key '{e.args[0]}' appears twice in one object") from None
-    except (_TooDeep, RecursionError):
+    except (TooDeep, RecursionError):
         flat = "a request is a flat object" if where else "a request file is a list of flat objects"
         raise TraceFileError(f"{at}: JSON nested deeper than {MAX_JSON_DEPTH} levels "
                              f"(pkv.core.trace_files.MAX_JSON_DEPTH); {flat}") from None
@@ -317,8 +299,9 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
         raise TraceFileError(f"{path}: no such file")
     if not path.is_file():
         raise TraceFileError(f"{path}: not a regular file")
-    if not 0 < step_ms < math.inf:   # NaN fails too
-        raise ValueError(f"step_ms must be a finite number > 0, got {step_ms}")
+    if not 0 < step_ms <= MAX_STEP_MS:   # NaN fails too
+        raise ValueError(f"step_ms must be a number in (0, {MAX_STEP_MS:.0f}] ms (a day; "
+                         f"pkv.core.trace_files.MAX_STEP_MS), got {step_ms}")
     names, rows = _records(path)
     if layout is None:
         fmt = detect(path, names)
@@ -328,14 +311,17 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
         if missing:
             raise TraceFileError(f"{path}:line 1: missing column(s) {', '.join(missing)} of the column mapping "
                                  f"(found: {', '.join(names) or 'none'})")
-    if not rows:
-        raise TraceFileError(f"{path}: the file has a header but no requests")
     arrival, prompt, decode = [], [], []
-    skipped = 0
+    skipped = read = 0
     for where, r in rows:
+        read += 1
         if fmt.skip_zero_decode and _int_field(path, where, fmt.decode, r.get(fmt.decode)) == 0:
             skipped += 1
             continue
+        if len(prompt) == MAX_REQUESTS:   # a request past the limit: stop reading here
+            raise TraceFileError(f"{path}:{where}: more than {MAX_REQUESTS} requests (pkv.core.traces.MAX_REQUESTS), "
+                                 "the most a trace holds; keep at most that many rows in the file (split it, or cut "
+                                 "it with e.g. `head`): --max-requests applies only after loading")
         if fmt.time is None:
             arrival.append(0)
         elif fmt.unit == "step":
@@ -356,12 +342,11 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
         if prompt[-1] + decode[-1] > MAX_LEN:
             raise TraceFileError(f"{path}:{where}: {fmt.prompt} + {fmt.decode} = {prompt[-1] + decode[-1]} tokens, "
                                  f"above the maximum of {MAX_LEN} (pkv.core.traces.MAX_LEN)")
+    if not read:
+        raise TraceFileError(f"{path}: the file has a header but no requests")
     if not prompt:
-        raise TraceFileError(f"{path}: all {len(rows)} requests are failed ones ('{fmt.decode}' 0); nothing to replay")
-    if len(prompt) > MAX_REQUESTS:
-        raise TraceFileError(f"{path}: {len(prompt)} requests, above the maximum of {MAX_REQUESTS} "
-                             "(pkv.core.traces.MAX_REQUESTS); split the file or cut it with --max-requests after loading")
-    meta = {"source": "file", "path": str(path), "schema": fmt.name, "requests_in_file": len(rows)}
+        raise TraceFileError(f"{path}: all {read} requests are failed ones ('{fmt.decode}' 0); nothing to replay")
+    meta = {"source": "file", "path": str(path), "schema": fmt.name, "requests_in_file": read}
     if layout is not None:
         meta["columns"] = {"prompt": fmt.prompt, "decode": fmt.decode,
                            **({"time": fmt.time, "time_unit": fmt.unit} if fmt.time else {})}

@@ -184,8 +184,8 @@ class Transform:
     max_requests: int | None = None
 
     def __post_init__(self) -> None:
-        if not 0 < self.prompt_scale < math.inf:   # NaN fails too
-            raise ValueError(f"prompt_scale must be a finite number > 0, got {self.prompt_scale}")
+        if not 0 < self.prompt_scale <= MAX_LEN:   # NaN fails too; above MAX_LEN every request is too long
+            raise ValueError(f"prompt_scale must be a number in (0, {MAX_LEN}] (MAX_LEN), got {self.prompt_scale}")
         for name in ("min_len", "max_len", "max_requests"):
             value = getattr(self, name)
             if value is not None and value < 1:

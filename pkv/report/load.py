@@ -12,11 +12,18 @@ are refused.
 Every file must name one GPU model, one config hash and one constants hash: those of the
 folder's config.json and calibration/constants.json, which must be readable and belong
 together. An unreadable file is named in a one-line error.
+
+Every timed file must hold what a measurement can hold (check_times): the columns a step
+row has, each time a number, `wall_s` positive and finite, a device time positive and
+finite or NaN (not measured, as on the CPU), every time within PLAUSIBLE_S and within a
+factor PLAUSIBLE_SPREAD of the same step's other engines. A file that fails (a damaged,
+truncated or hand-edited one) is refused naming the file and the column, never averaged.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,6 +35,18 @@ from pkv.config.seeds import SEED_ROLES, check_seed
 from pkv.core.io import dict_hash, file_hash, read_meta
 from pkv.report.ratios import trace_label
 from pkv.report.spec import PER_SEED_STAGES
+
+# What a step row of a timed stage must have, and its measured times: wall_s always, the
+# device times where measured (NaN on the CPU). nsight_kernels holds Nsight's own columns.
+STEP_COLUMNS = ("stage", "engine", "step", "wall_s", "cuda_s")
+TIMES = ("wall_s", "cuda_s", "graph_s")
+UNTIMED_STAGES = frozenset({"nsight_kernels"})
+# A step of decode attention (a model step at most) lasts between a nanosecond and an hour,
+# and no engine is 10^5 times faster or slower than the others on the same step: outside
+# either range a value is damaged, not measured. (The committed runs' widest spread is
+# below 10^3.)
+PLAUSIBLE_S = (1e-9, 3600.0)
+PLAUSIBLE_SPREAD = 1e5
 
 # Row columns that tell two measurements apart: two files sharing a row are one job twice.
 IDENTITY = ("stage", "trace", "family", "max_active", "seed", "engine", "split", "group", "layers", "kv_dtype", "step")
@@ -161,6 +180,49 @@ def _check_rows(stage: str, f: Path, frame: pd.DataFrame, job: dict | None, cfg:
                               f"{job[key]} (renamed or copied?); rerun its job")
 
 
+def check_times(stage: str, f: Path, frame: pd.DataFrame) -> None:
+    """The file's schema and physical sanity (the module's docstring); one ReportError line
+    naming the file and the column."""
+    if stage in UNTIMED_STAGES:
+        return
+    missing = [c for c in STEP_COLUMNS if c not in frame.columns]
+    if missing:
+        raise ReportError(f"{f}: no column {', '.join(missing)}: not a complete {stage} file (truncated or "
+                          "written by something else); rerun its job")
+    for col in (c for c in TIMES if c in frame.columns):
+        values = frame[col]
+        if not pd.api.types.is_numeric_dtype(values) or pd.api.types.is_bool_dtype(values):
+            raise ReportError(f"{f}: column {col} holds {values.dtype} values, not times in seconds; rerun its job")
+        values = values.astype("float64")
+        measured = values.notna() if col != "wall_s" else pd.Series(True, index=values.index)
+        lo, hi = PLAUSIBLE_S
+        bad = measured & ~((values >= lo) & (values <= hi))   # NaN, inf, 0, negative and absurd values
+        if bad.any():
+            i = bad.idxmax()
+            raise ReportError(f"{f}: column {col} row {i} (engine {frame.at[i, 'engine']}, step {frame.at[i, 'step']}) "
+                              f"is {float(values[i])!r} s, outside a plausible {lo:g}..{hi:g} s; a damaged file: "
+                              "rerun its job")
+        _check_spread(f, frame, col, values[measured])
+
+
+def _check_spread(f: Path, frame: pd.DataFrame, col: str, values: pd.Series) -> None:
+    """Each engine's time against the median of the same step (same identity but the engine)."""
+    keys = [c for c in IDENTITY if c in frame.columns and c != "engine"]
+    if values.empty:
+        return
+    logs = values.map(math.log10)
+    groups = frame.loc[values.index, keys]
+    by = logs.groupby([groups[k] for k in keys], dropna=False, sort=False)
+    median = by.transform("median")
+    off = (logs - median).abs()
+    off = off.where(by.transform("size") != 2, 2 * off)   # of two engines, the median is halfway between them
+    if off.max() > math.log10(PLAUSIBLE_SPREAD):
+        i = off.idxmax()
+        raise ReportError(f"{f}: column {col} row {i} (engine {frame.at[i, 'engine']}, step {frame.at[i, 'step']}) "
+                          f"is {values[i]:.3g} s, {10 ** off[i]:.3g} times off the same step's other engines "
+                          f"(median {10 ** median[i]:.3g} s); a damaged file: rerun its job")
+
+
 def _check_duplicates(read: list[tuple[str, Path, dict, pd.DataFrame]]) -> None:
     """Two files that hold the same measurement (a copy beside its original) are refused."""
     seen: dict[tuple, Path] = {}
@@ -186,6 +248,7 @@ def load(root: Path, stages: tuple[str, ...], required: bool = True) -> Raw:
     read = []
     for stage, f, job in files:
         meta, frame = _read(f)
+        check_times(stage, f, frame)
         _check_rows(stage, f, frame, job, cfg)
         read.append((stage, f, meta, frame))
     if cfg is None:
