@@ -53,6 +53,9 @@ ENGINES: dict[str, EngineInfo] = {
                                 "pkv.engines.flashinfer", fp8=True, baseline=True, options=("validate",)),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)",
                                         "pkv.engines.flashinfer", options=("validate",)),
+    "flashinfer-xqa": EngineInfo("flashinfer", "xqa", "FlashInfer's plan-free decode (TensorRT-LLM's XQA kernel), "
+                                 "CUDA-graph capturable", "pkv.engines.xqa", fp8=True, baseline=True,
+                                 options=("max_rows", "validate")),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes",
@@ -88,6 +91,11 @@ def pkv_kinds() -> dict[str, str]:
 def flashinfer() -> tuple[str, ...]:
     """Every FlashInfer variant we wrap."""
     return names("flashinfer")
+
+
+def planned() -> tuple[str, ...]:
+    """The FlashInfer variants that run a host plan() each step (all but the plan-free XQA)."""
+    return tuple(n for n in flashinfer() if ENGINES[n].kind != "xqa")
 
 
 def baselines() -> tuple[str, ...]:
