@@ -160,6 +160,9 @@ RUNNERS: dict[str, RunnerInfo] = {
     "flashinfer-graph": RunnerInfo("FlashInfer graph path (plan() + replay)",
                                    "pkv.engines.model_flashinfer:FlashInferGraphRunner", gpu=True, fp8=True,
                                    ratio_base=True, package="flashinfer"),
+    "flashinfer-xqa-graph": RunnerInfo("FlashInfer XQA graph path (no plan, replay)",
+                                       "pkv.engines.model_flashinfer:XqaGraphRunner", gpu=True, fp8=True,
+                                       ratio_base=True, package="flashinfer"),
     "flashinfer-eager": RunnerInfo("FlashInfer eager", "pkv.engines.model_flashinfer:FlashInferEagerRunner",
                                    gpu=True, fp8=True, check_base=True, package="flashinfer"),
     # not fp8: its v3 routes read 16-bit KV only
