@@ -75,3 +75,10 @@ def test_a_cpu_cache_is_refused_in_one_line():
     with pytest.raises(ValueError, match="'flashinfer-xqa' needs a CUDA device") as err:
         make_engine("flashinfer-xqa", cache)
     assert "\n" not in str(err.value)
+
+
+def test_nsight_names_xqa_a_flashinfer_decode_kernel():
+    from pkv.measure.nsight import kernel_role
+
+    assert kernel_role("void kernel_mha<(unsigned int)8>(unsigned int, float, ...)") == "FlashInfer decode (XQA)"
+    assert kernel_role("flashinfer::BatchDecodeWithPagedKVCacheKernel<...>") == "FlashInfer decode (CUDA cores)"

@@ -233,3 +233,36 @@ def test_beyond_capacity_is_refused():
         engine.run(q[:2], engine.prepare(StepState(0, step.request_ids[:3], step.seq_lens[:3])))
     assert math.isfinite(float(run_xqa(engine, StepState(0, step.request_ids[:3], step.seq_lens[:3]), q[:3])
                                .float().abs().max()))
+
+
+def test_model_step_runner_replays_one_graph_per_bucket():
+    """XqaGraphRunner (pkv.engines.model_flashinfer): the N-layer step captured once per bucket,
+    each layer over its own KV tensor, replayed for steps of fewer rows (padded), against the
+    reference runner's final hidden state."""
+    from pkv.engines.model import DecoderModel, ModelShape, ReferenceRunner
+    from pkv.engines.model_flashinfer import XqaGraphRunner
+    from pkv.measure.stages import layer_caches
+
+    shape = ModelShape("xqa-test", 3, 512, 4, 1, 128, 512)       # G4 d128: the fp16-p16-d128-G4 module
+    seed = seed_of("xqa-model")
+    rng = np.random.default_rng(seed)
+    reserved = rng.integers(1, 6 * K, size=10)
+    caches = layer_caches(shape.attention(16, "float16"), assign_pages(reserved, 16, 0.5, seed), "cuda", seed,
+                          shape.layers)
+    net = DecoderModel(shape, torch.float16, "cuda", seed)
+    buckets = [1, 8]
+    xs = {b: torch.randn(b, shape.hidden, device="cuda").to(torch.float16) for b in buckets}
+    runner = XqaGraphRunner.build(net, caches, xs, buckets)
+    ref = ReferenceRunner.build(net, caches, xs, buckets)
+    steps = trace_steps(rng, len(reserved), reserved, 8, 6)
+    for b in buckets:
+        runner.capture(b, StepState(0, np.arange(b), np.minimum(reserved[:b], 5).astype(np.int32)))
+    for step in steps:
+        bucket = next(b for b in buckets if b >= step.active)
+        runner.prepare(step, bucket)
+        out = runner.launch(step, bucket)[:step.active].float()
+        ref.prepare(step, bucket)
+        want = ref.launch(step, bucket).float()
+        rel = ((out - want).norm() / want.norm()).item()
+        assert rel < 1e-2, f"step {step.step} (B{step.active} in bucket {bucket}): rel. error {rel:.2e}"
+    runner.close()
