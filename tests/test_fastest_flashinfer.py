@@ -84,3 +84,26 @@ def test_base_path_names_the_winner_per_timing():
     split = pd.DataFrame({"wall_base": ["flashinfer-tc", "flashinfer-xqa", "flashinfer-xqa"],
                           "cuda_base": ["flashinfer-xqa"] * 3})
     assert base_path(split) == "flashinfer-xqa 2/3, flashinfer-tc 1/3 / flashinfer-xqa"
+
+
+def kernel_rows(family: str, times: dict, **extra) -> list[dict]:
+    return [{"family": family, "case": case, "engine": e, "graph_us": us, "bytes": 1e6, "frac_of_roofline": 0.5,
+             "batch": 1, "max_len": 4096, **extra} for case, per in times.items() for e, us in per.items()]
+
+
+def test_the_kernel_tables_name_the_fastest_flashinfer_path():
+    from pkv.report.fp8 import kernel_summary
+    from pkv.report.kernels import summary
+
+    times = {"B1 1K": {"pkv-graph": 10.0, "flashinfer": 14.0, "flashinfer-tc": 12.0, "flashinfer-xqa": 9.0},
+             "B8 32K": {"pkv-graph": 100.0, "flashinfer": 140.0, "flashinfer-tc": 110.0, "flashinfer-xqa": 120.0}}
+    s = summary(pd.DataFrame(kernel_rows("homogeneous", times)))
+    assert list(s["best_path"]) == ["flashinfer-xqa", "flashinfer-tc"]
+    assert list(s["ratio"].round(3)) == [0.9, 1.1]
+    rows = []
+    for kv, policy in (("auto", ""), ("fp8", "tensor")):
+        rows += kernel_rows("fp8", times, kv_dtype=kv, fp8_policy=policy)
+    f = pd.DataFrame(rows).rename(columns={"case": "point"})
+    k = kernel_summary(f)
+    assert list(k["flashinfer fp8 path"]) == ["flashinfer-xqa", "flashinfer-tc"]
+    assert list(k["flashinfer 16-bit"]) == [9.0, 110.0]

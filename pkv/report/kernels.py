@@ -59,6 +59,7 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     for e in fi:
         out[e] = wide[e]
     out["best_flashinfer"] = wide[fi].min(axis=1)
+    out["best_path"] = wide[fi].apply(lambda r: r.idxmin() if r.notna().any() else "—", axis=1)
     out["ratio"] = out.best_flashinfer / out[ENGINE]
     return out
 
@@ -94,7 +95,7 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
 def table(frame: pd.DataFrame, meta: dict) -> str:
     s = summary(frame)
     fi = [e for e in flashinfer() if e in s]
-    head = ["case", "pkv-graph µs", "% roofline", *[f"{e} µs" for e in fi], "ratio"]
+    head = ["case", "pkv-graph µs", "% roofline", *[f"{e} µs" for e in fi], "fastest FlashInfer", "ratio"]
     lines = [
         "# Decode kernels: PersistentKV pkv-graph against FlashInfer (device time)",
         "",
@@ -105,7 +106,7 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
         f"Read roofline {float(meta.get('roofline_gbps', 'nan')):.0f} GB/s. µs = median device time per call by "
         f"CUDA-graph replay, KV copies rotated beyond the L2{pools_note(meta)}; % roofline = useful K+V bytes / "
         "time / roofline; "
-        "ratio = faster FlashInfer variant ÷ pkv-graph (> 1: PersistentKV faster). Shape unless named: "
+        "ratio = fastest FlashInfer variant (named) ÷ pkv-graph (> 1: PersistentKV faster). Shape unless named: "
         "Hq 32, Hkv 8, d 128, fp16, page 16, 50 % holes.",
         "",
         "## Bars, as measured",
@@ -117,7 +118,7 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
     ]
     for case, r in s.iterrows():
         cells = [case, f"{r[ENGINE]:.1f}", f"{100 * r.frac_of_roofline:.1f}",
-                 *[("—" if pd.isna(r[e]) else f"{r[e]:.1f}") for e in fi], f"{r.ratio:.3f}"]
+                 *[("—" if pd.isna(r[e]) else f"{r[e]:.1f}") for e in fi], r.best_path, f"{r.ratio:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     others = sorted(set(frame.engine) - {ENGINE, *flashinfer()})
     if others:
