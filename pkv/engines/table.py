@@ -55,7 +55,7 @@ ENGINES: dict[str, EngineInfo] = {
                                         "pkv.engines.flashinfer", options=("validate",)),
     "flashinfer-xqa": EngineInfo("flashinfer", "xqa", "FlashInfer's plan-free decode (TensorRT-LLM's XQA kernel), "
                                  "CUDA-graph capturable", "pkv.engines.xqa", fp8=True, baseline=True,
-                                 options=("max_rows", "validate")),
+                                 options=("max_rows", "hopper_fp8", "validate")),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes",

@@ -83,7 +83,8 @@ def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
         "from a 16-bit cache "
         "and from e4m3 caches with tensor scales (FlashInfer's convention; FlashInfer reads only these) and with "
         "per-(page, kv head) factors. FlashInfer columns are its fastest decode variant (CUDA cores, tensor "
-        "cores or the plan-free XQA), named in `FI path`. % roofline = FP8 K+V bytes / time / roofline for pkv-graph fp8-tensor; ratios are "
+        "cores or the plan-free XQA), named in `FI path`. % roofline = FP8 K+V bytes / time / roofline for "
+        "pkv-graph fp8-tensor; ratios are "
         "time ÷ pkv-graph fp8-tensor time (> 1: PersistentKV FP8 faster). Shape: Hq 32, Hkv 8, d 128, fp16 "
         "queries, page 16, 50 % holes.",
         "",
@@ -95,7 +96,8 @@ def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
         "|---|" + "---:|" * (len(head) - 1),
     ]
     for point, r in s.iterrows():
-        cells = [point, *[num(r[c], ".1f") for c in cols], f"{r['flashinfer 16-bit path']} / {r['flashinfer fp8 path']}",
+        path = f"{r['flashinfer 16-bit path']} / {r['flashinfer fp8 path']}"
+        cells = [point, *[num(r[c], ".1f") for c in cols], path,
                  num(100 * r["roofline fp8-tensor"], ".1f"),
                  num(r["over FI 16-bit"], ".2f"), num(r["over FI fp8"], ".2f"), num(r["over pkv 16-bit"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")

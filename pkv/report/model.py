@@ -165,7 +165,8 @@ CAPTION = ("Each trace is served at max_active = {buckets} (continuous batching)
            "served at max_active = bucket, all its steps back to back (the host prepares step t+1 while the GPU "
            "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph; where its plan-free XQA "
            "graph path flashinfer-xqa-graph also ran, the faster of the two per seed and timing, the winner named "
-           "in `FlashInfer path`; the FP32 reference on the CPU) as speed-ups (> 1 = faster; mean±std over seeds). Prepare µs: the host prepare()/plan() of one "
+           "in `FlashInfer path`; the FP32 reference on the CPU) as speed-ups (> 1 = faster; mean±std over "
+           "seeds). Prepare µs: the host prepare()/plan() of one "
            "step. Check fails / checked: steps whose final hidden state left the tolerance against the "
            "correctness baseline's (FlashInfer eager; the FP32 reference on the CPU) for the same input. Every "
            "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
