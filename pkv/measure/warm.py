@@ -37,18 +37,20 @@ BUILD_GROUP, BUILD_PAGE = 4, 16        # the tiny cache's shape for the group-fr
 Variant = tuple[str, int, str, str, int, int]
 
 
-def shaped_variants(cfg: dict) -> list[tuple[int, str, str, int, int]]:
-    """(head_dim, dtype, kv_dtype, group, page_size) of every shape a run's stages build an
-    engine at: the serving shape (16-bit and FP8), the kernel sweep's cases, the GQA sweep's
-    groups and the model step's models."""
-    from pkv.bench.kernels import SUITES
+Shaped = tuple[int, str, str, int, int]    # (head_dim, dtype, kv_dtype, group, page_size)
+
+
+def shaped_variants(cfg: dict, sweep: tuple[Shaped, ...] = ()) -> list[Shaped]:
+    """Every shape a run's stages build an engine at: the serving shape (16-bit and FP8), the
+    kernel sweep's cases (`sweep`: pkv.bench.kernels.suite_shapes(), which the CLI passes; the
+    benchmarks sit above this layer), the GQA sweep's groups and the model step's models."""
     from pkv.engines.model import MODEL_SHAPES
 
     s = cfg["shape"]
     dtype, d, page = s["dtype"], int(s["head_dim"]), int(s["page_size"])
     group = int(s["num_qo_heads"]) // int(s["num_kv_heads"])
     out = [(d, dtype, kv, group, page) for kv in (s.get("kv_dtype", "auto"), "auto", "fp8")]
-    out += [(c.head_dim, c.dtype, c.kv_dtype, c.group, c.page_size) for suite in SUITES.values() for c in suite()]
+    out += list(sweep)
     gqa = cfg.get("ablations", {}).get("gqa_sweep", {})
     out += [(d, dtype, "auto", int(g), page) for g in gqa.get("groups", [])]
     ms = cfg.get("model_step", {})
@@ -58,8 +60,8 @@ def shaped_variants(cfg: dict) -> list[tuple[int, str, str, int, int]]:
     return list(dict.fromkeys(out))
 
 
-def variants(cfg: dict) -> list[Variant]:
-    """The variants to build for a resolved config, ours first."""
+def variants(cfg: dict, sweep: tuple[Shaped, ...] = ()) -> list[Variant]:
+    """The variants to build for a resolved config (and the kernel sweep's shapes), ours first."""
     shape = cfg["shape"]
     dtype, head_dim = shape["dtype"], int(shape["head_dim"])
     kv = shape.get("kv_dtype", "auto")
@@ -69,7 +71,7 @@ def variants(cfg: dict) -> list[Variant]:
                                       (head_dim, kv), (head_dim, "fp8")]):   # FP8 stages: the serving head_dim
         out += [(e, d, dtype, kv_dtype, g, p) for e in PER_HEAD_DIM]
     out += [(e, head_dim, dtype, kv, g, p) for e in SERVING_ONLY]
-    out += [(e, *v) for v in shaped_variants(cfg) for e in PER_SHAPE]
+    out += [(e, *v) for v in shaped_variants(cfg, sweep) for e in PER_SHAPE]
     return out
 
 
@@ -101,13 +103,13 @@ def build_one(variant: Variant) -> dict:
             "page_size": page, "seconds": round(time.perf_counter() - started, 2), "error": error}
 
 
-def build_all(cfg: dict) -> dict:
-    """Build every variant of `cfg` at once; the manifest of what was built."""
+def build_all(cfg: dict, sweep: tuple[Shaped, ...] = ()) -> dict:
+    """Build every variant of `cfg` (and of the kernel sweep's shapes) at once; the manifest."""
     import torch
 
     if not torch.cuda.is_available():
         return {"built": [], "wall_s": 0.0, "note": "no CUDA device: nothing is compiled (CPU engines)"}
-    return build_variants(variants(cfg))
+    return build_variants(variants(cfg, sweep))
 
 
 def build_variants(todo: list[Variant]) -> dict:
