@@ -107,3 +107,17 @@ def test_the_kernel_tables_name_the_fastest_flashinfer_path():
     k = kernel_summary(f)
     assert list(k["flashinfer fp8 path"]) == ["flashinfer-xqa", "flashinfer-tc"]
     assert list(k["flashinfer 16-bit"]) == [9.0, 110.0]
+
+
+def test_tables_name_the_path_where_xqa_ran_and_keep_earlier_runs_columns():
+    from pkv.report import kernels
+    from pkv.report.ratios import names_path
+
+    assert names_path(["flashinfer", "flashinfer-tc", "flashinfer-xqa", "pkv-graph"])
+    assert not names_path(["flashinfer", "flashinfer-tc", "pkv-graph"]) and not names_path(["reference"])
+    times = {"B1 1K": {"pkv-graph": 10.0, "flashinfer": 14.0, "flashinfer-tc": 12.0, "flashinfer-xqa": 9.0}}
+    frame = pd.DataFrame(kernel_rows("homogeneous", times))
+    text = kernels.table(frame, {})
+    assert "| fastest FlashInfer |" in text and "| flashinfer-xqa | 0.900 |" in text
+    before = kernels.table(frame[frame["engine"] != "flashinfer-xqa"], {})
+    assert "fastest FlashInfer" not in before and "| 1.200 |" in before

@@ -18,7 +18,7 @@ from pkv.core import io
 from pkv.core.units import K
 from pkv.engines.table import baselines
 from pkv.report.kernels import pools_note
-from pkv.report.ratios import mean_sd, num, throughputs
+from pkv.report.ratios import mean_sd, names_path, num, throughputs
 
 ENGINE = "pkv-graph"
 
@@ -69,11 +69,15 @@ def kernel_bars(s: pd.DataFrame) -> list[str]:
     ]
 
 
+XQA_NOTE = " or the plan-free XQA: the fastest, named in `FI path`"
+
+
 def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
     s = kernel_summary(frame)
     cols = [f"{ENGINE} 16-bit", "flashinfer 16-bit", f"{ENGINE} fp8-tensor", f"{ENGINE} fp8-page", "flashinfer fp8"]
-    head = ["point", *[f"{c} µs" for c in cols], "FI path 16-bit / fp8", "% roofline (fp8)", "over FI 16-bit",
-            "over FI fp8", "over pkv 16-bit"]
+    named = names_path(frame["engine"])
+    head = ["point", *[f"{c} µs" for c in cols], *(["FI path 16-bit / fp8"] if named else []), "% roofline (fp8)",
+            "over FI 16-bit", "over FI fp8", "over pkv 16-bit"]
     lines = [
         "# FP8 (e4m3) KV cache: decode kernels against FlashInfer (device time)",
         "",
@@ -82,8 +86,8 @@ def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
         f"CUDA-graph replay, KV copies rotated beyond the L2{pools_note(meta)}. Each point runs the same lengths "
         "from a 16-bit cache "
         "and from e4m3 caches with tensor scales (FlashInfer's convention; FlashInfer reads only these) and with "
-        "per-(page, kv head) factors. FlashInfer columns are its fastest decode variant (CUDA cores, tensor "
-        "cores or the plan-free XQA), named in `FI path`. % roofline = FP8 K+V bytes / time / roofline for "
+        "per-(page, kv head) factors. FlashInfer columns are its faster decode variant (CUDA cores or tensor "
+        f"cores{XQA_NOTE if named else ''}). % roofline = FP8 K+V bytes / time / roofline for "
         "pkv-graph fp8-tensor; ratios are "
         "time ÷ pkv-graph fp8-tensor time (> 1: PersistentKV FP8 faster). Shape: Hq 32, Hkv 8, d 128, fp16 "
         "queries, page 16, 50 % holes.",
@@ -97,7 +101,7 @@ def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
     ]
     for point, r in s.iterrows():
         path = f"{r['flashinfer 16-bit path']} / {r['flashinfer fp8 path']}"
-        cells = [point, *[num(r[c], ".1f") for c in cols], path,
+        cells = [point, *[num(r[c], ".1f") for c in cols], *([path] if named else []),
                  num(100 * r["roofline fp8-tensor"], ".1f"),
                  num(r["over FI 16-bit"], ".2f"), num(r["over FI fp8"], ".2f"), num(r["over pkv 16-bit"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")

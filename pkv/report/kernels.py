@@ -20,6 +20,8 @@ import pandas as pd
 from pkv.core.units import K
 from pkv.engines.table import flashinfer
 from pkv.core import io
+from pkv.report.ratios import names_path
+
 ENGINE = "pkv-graph"
 
 
@@ -95,7 +97,9 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
 def table(frame: pd.DataFrame, meta: dict) -> str:
     s = summary(frame)
     fi = [e for e in flashinfer() if e in s]
-    head = ["case", "pkv-graph µs", "% roofline", *[f"{e} µs" for e in fi], "fastest FlashInfer", "ratio"]
+    named = names_path(fi)
+    head = ["case", "pkv-graph µs", "% roofline", *[f"{e} µs" for e in fi], *(["fastest FlashInfer"] if named else []),
+            "ratio"]
     lines = [
         "# Decode kernels: PersistentKV pkv-graph against FlashInfer (device time)",
         "",
@@ -106,7 +110,7 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
         f"Read roofline {float(meta.get('roofline_gbps', 'nan')):.0f} GB/s. µs = median device time per call by "
         f"CUDA-graph replay, KV copies rotated beyond the L2{pools_note(meta)}; % roofline = useful K+V bytes / "
         "time / roofline; "
-        "ratio = fastest FlashInfer variant (named) ÷ pkv-graph (> 1: PersistentKV faster). Shape unless named: "
+        "ratio = faster FlashInfer variant ÷ pkv-graph (> 1: PersistentKV faster). Shape unless named: "
         "Hq 32, Hkv 8, d 128, fp16, page 16, 50 % holes.",
         "",
         "## Bars, as measured",
@@ -118,7 +122,8 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
     ]
     for case, r in s.iterrows():
         cells = [case, f"{r[ENGINE]:.1f}", f"{100 * r.frac_of_roofline:.1f}",
-                 *[("—" if pd.isna(r[e]) else f"{r[e]:.1f}") for e in fi], r.best_path, f"{r.ratio:.3f}"]
+                 *[("—" if pd.isna(r[e]) else f"{r[e]:.1f}") for e in fi], *([r.best_path] if named else []),
+                 f"{r.ratio:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     others = sorted(set(frame.engine) - {ENGINE, *flashinfer()})
     if others:

@@ -163,13 +163,13 @@ CAPTION = ("Each trace is served at max_active = {buckets} (continuous batching)
            "medians over the steps that ran in it (serial pass; wall: host prepare + launch + synchronize; "
            "device: CUDA events around the graph replay, or around the eager layers); pipelined tok/s: the job "
            "served at max_active = bucket, all its steps back to back (the host prepares step t+1 while the GPU "
-           "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph; where its plan-free XQA "
-           "graph path flashinfer-xqa-graph also ran, the faster of the two per seed and timing, the winner named "
-           "in `FlashInfer path`; the FP32 reference on the CPU) as speed-ups (> 1 = faster; mean±std over "
-           "seeds). Prepare µs: the host prepare()/plan() of one "
+           "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph{xqa}; the FP32 reference on "
+           "the CPU) as speed-ups (> 1 = faster; mean±std over seeds). Prepare µs: the host prepare()/plan() of one "
            "step. Check fails / checked: steps whose final hidden state left the tolerance against the "
            "correctness baseline's (FlashInfer eager; the FP32 reference on the CPU) for the same input. Every "
            "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
+XQA_CAPTION = (", or its plan-free XQA graph path flashinfer-xqa-graph where that is faster, per seed and timing: "
+               "the winner is named in `FlashInfer path`")
 # Per-layer KV runs (files with kv_dtype): the same table plus the KV dtype, FP8's accuracy and ratio.
 CAPTION_KV = (CAPTION.split(" Every layer reads")[0] + " Every layer attends over its own KV tensor (same page "
               "table and lengths, its own values). KV: the 16-bit cache, or the same values in FP8 e4m3 (tensor "
@@ -219,7 +219,8 @@ def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
     smoke = any(m.get("profile") == "smoke" for m in metas)
     banner = f"> **{SMOKE_BANNER}.**\n\n" if smoke else ""
     body = tabulate(table(frame), headers="keys", tablefmt="github", showindex=False, disable_numparse=True)
-    caption = (CAPTION_KV if "kv_dtype" in frame.columns else CAPTION).format(buckets=_buckets(frame))
+    xqa = XQA_CAPTION if len(ratio_bases(frame)) > 1 else ""
+    caption = (CAPTION_KV if "kv_dtype" in frame.columns else CAPTION).format(buckets=_buckets(frame), xqa=xqa)
     return f"# {TITLE}\n\n{banner}{caption}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
 
 

@@ -53,6 +53,13 @@ def ratios(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
     return t
 
 
+def names_path(engines) -> bool:
+    """Whether a table names the fastest FlashInfer path of each row: where the plan-free XQA
+    ran beside the planned variants (a run before it keeps its committed columns)."""
+    present = set(engines)
+    return any(b in present for b in table.baselines() if b not in table.planned())
+
+
 def base_path(rows: pd.DataFrame, timings: tuple[str, ...] = ("wall", "cuda")) -> str:
     """Which baseline was the fastest for a table row's ratios (rows of ratios(), one per seed),
     per timing: "flashinfer-tc / flashinfer-xqa" (wall / CUDA), a split over seeds as
