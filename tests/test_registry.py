@@ -47,19 +47,23 @@ def test_lists_derive_from_the_table():
     assert table.pkv_engines() == {"pkv-workqueue": "workqueue", "pkv-masked": "masked", "pkv-bucket": "bucket",
                                    "pkv-fused": "workqueue"}
     assert table.pkv_kinds() == {k: v for k, v in table.pkv_engines().items() if k != "pkv-fused"}
-    assert table.flashinfer() == ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
-    assert table.baselines() == ("flashinfer", "flashinfer-tc")
+    assert table.flashinfer() == ("flashinfer", "flashinfer-tc", "flashinfer-persistent", "flashinfer-xqa")
+    assert table.baselines() == ("flashinfer", "flashinfer-tc", "flashinfer-xqa")
+    assert table.planned() == ("flashinfer", "flashinfer-tc", "flashinfer-persistent")
     assert table.pkv_routes() == {"pkv-workqueue": "workqueue", "pkv-bucket": "bucket", "pkv-graph": "graph"}
     assert bench.PKV_ENGINES == tuple(table.pkv_engines())
     assert set(bench.BASELINES) == set(table.flashinfer()) | {"sdpa-repack"}
-    assert table.fp8_kernels() == ("pkv-graph", "flashinfer", "flashinfer-tc")
+    assert table.fp8_kernels() == ("pkv-graph", "flashinfer", "flashinfer-tc", "flashinfer-xqa")
     assert table.is_router("adaptive:objective=overlapped") and not table.is_router("flashinfer-graph")
     # The model-step runners: the sets the measurement and the report read, as they were.
-    assert table.runners() == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference")
-    assert table.runners("gpu") == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive")
+    assert table.runners() == ("pkv-graph", "flashinfer-graph", "flashinfer-xqa-graph", "flashinfer-eager", "adaptive",
+                               "reference")
+    assert table.runners("gpu") == ("pkv-graph", "flashinfer-graph", "flashinfer-xqa-graph", "flashinfer-eager",
+                                    "adaptive")
     assert table.runners("cpu") == ("pkv-graph", "reference")
-    assert table.runners("fp8") == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "reference")
-    assert table.runners("ratio_base") == ("flashinfer-graph", "reference")
+    assert table.runners("fp8") == ("pkv-graph", "flashinfer-graph", "flashinfer-xqa-graph", "flashinfer-eager",
+                                    "reference")
+    assert table.runners("ratio_base") == ("flashinfer-graph", "flashinfer-xqa-graph", "reference")
     assert table.runners("check_base") == ("flashinfer-eager", "reference")
     assert table.runners("routed") == ("adaptive",)
 

@@ -10,7 +10,8 @@ view built, warm-up), then with validation off
 - wall_us: prepare + run + synchronize;
 - route_us: the router's decision inside prepare() (adaptive only).
 
-Beside each FlashInfer engine: FlashInfer's raw `plan()` called directly on the same
+Beside each planned FlashInfer engine (table.planned(); the plan-free XQA has no plan() and
+its prepare() is the whole host cost): FlashInfer's raw `plan()` called directly on the same
 prebuilt arrays (host indptr and last_page_len, device page ids), and `view_us`, the
 cost of building those arrays for a step (done once per step off the timed path; a
 serving engine pays a gather kernel for it). The bar (pkv.bench.bars): an
@@ -161,7 +162,7 @@ def bench(cfg: dict, k: Constants | None, engines: list[str], batches: tuple[int
             try:
                 engine = build(name, cache, k, point)
                 row = {**base, **host_path_medians(engine, trace_steps, q, cuda), "error": ""}
-                if name in table.flashinfer():
+                if name in table.planned():
                     row.update(raw_plan(engine, trace_steps, cuda))
                     row["bar_us"] = BAR_FACTOR * row["raw_plan_us"] + BAR_US
                     row["meets_bar"] = bool(row["prepare_us"] <= row["bar_us"])

@@ -81,6 +81,13 @@ def fp8(seed: int = BENCH_SEED) -> list[Case]:
 SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes, "fp8": fp8}
 
 
+def suite_shapes() -> tuple[tuple[int, str, str, int, int], ...]:
+    """(head_dim, dtype, kv_dtype, group, page_size) of every case of the suites: the shapes
+    `pkv build-kernels` compiles FlashInfer's per-shape (XQA) modules at."""
+    cases = (c for suite in SUITES.values() for c in suite())
+    return tuple(dict.fromkeys((c.head_dim, c.dtype, c.kv_dtype, c.group, c.page_size) for c in cases))
+
+
 def quick() -> list[Case]:
     pick = {"B1 4K", "B1 8K", "B1 16K", "B1 32K", "B1 64K", "B1 128K", "B8 32K", "B16 2K", "B64 2K", "B128 1K"}
     return [c for c in homogeneous() if c.name in pick] + ragged()[:3] + [

@@ -226,11 +226,12 @@ def measure_cmd(args) -> int:
 
 
 def build_kernels_cmd(args) -> int:
+    from pkv.bench.kernels import suite_shapes
     from pkv.measure.warm import build_all, write_manifest
 
     check_outputs(args, ("--out", args.out))
     cfg = load_config(args.config)
-    manifest = build_all(cfg)
+    manifest = build_all(cfg, suite_shapes())
     write_manifest(manifest, cfg, args.out)
     print(f"built {len(manifest['built'])} kernel variants in {manifest['wall_s']:.1f} s: {args.out}", file=sys.stderr)
     return 0

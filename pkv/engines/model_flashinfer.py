@@ -1,7 +1,8 @@
-"""FlashInfer's two practices as model-step runners (pkv.engines.model): its CUDA-graph
-decode wrapper with plan() on the host every step and the captured N-layer step replayed
-(what vLLM and SGLang do), and its eager wrapper planned per step. Every layer reads its own
-KV tensor with the step's one plan.
+"""FlashInfer's practices as model-step runners (pkv.engines.model): its CUDA-graph decode
+wrapper with plan() on the host every step and the captured N-layer step replayed (what vLLM
+and SGLang do), its eager wrapper planned per step, and its plan-free XQA decode
+(pkv.engines.xqa) with the N-layer step captured once per bucket. Every layer reads its own
+KV tensor with the step's one plan (XQA: the step's one upload of lengths and block-table rows).
 """
 
 from __future__ import annotations
@@ -128,3 +129,27 @@ class FlashInferEagerRunner(Runner):
     def launch(self, step, bucket):
         kvs, scales = [c.kv for c in self.caches], self.scales
         return self.model.forward(self.xs[bucket][:step.active], lambda i, q: self.wrapper.run(q, kvs[i], **scales[i]))
+
+
+class XqaGraphRunner(GraphRunner):
+    """FlashInfer's plan-free XQA decode, the N-layer step captured once per bucket: a step is
+    the engine's prepare() at the bucket's rows (one pinned upload of lengths and request ids,
+    one gather of block-table rows into fixed addresses, shared by every layer) and one replay.
+    No plan() on the host."""
+
+    name = "flashinfer-xqa-graph"
+    takes_buckets = True
+
+    def __init__(self, model, caches, xs, buckets):
+        from pkv.engines.xqa import XqaEngine
+
+        super().__init__(model, caches, xs)
+        self.engine = XqaEngine(self.cache, max_rows=max(buckets), validate=False)
+        self.plans: dict[int, object] = {}
+
+    def prepare(self, step, bucket):
+        self.plans[bucket] = self.engine.prepare(step, rows=bucket)
+
+    def attend(self, bucket):
+        engine, plan, caches = self.engine, self.plans[bucket], self.caches
+        return lambda i, q: engine.run(q, plan, caches[i])

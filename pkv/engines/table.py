@@ -67,6 +67,9 @@ ENGINES: dict[str, EngineInfo] = {
                                 tensor_cores=True, paper_route="FlashInfer"),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)",
                                         "pkv.engines.flashinfer", options=("validate",), paper_route="FlashInfer"),
+    "flashinfer-xqa": EngineInfo("flashinfer", "xqa", "FlashInfer's plan-free decode (TensorRT-LLM's XQA kernel), "
+                                 "CUDA-graph capturable", "pkv.engines.xqa", fp8=True, baseline=True, plan_free=True,
+                                 options=("max_rows", "hopper_fp8", "validate"), paper_route="FlashInfer"),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes",
@@ -117,6 +120,11 @@ def pkv_kinds() -> dict[str, str]:
 def flashinfer() -> tuple[str, ...]:
     """Every FlashInfer variant we wrap."""
     return names("flashinfer")
+
+
+def planned() -> tuple[str, ...]:
+    """The FlashInfer variants that run a host plan() each step (the plan-free ones have none)."""
+    return tuple(n for n in flashinfer() if not ENGINES[n].plan_free)
 
 
 def baselines() -> tuple[str, ...]:
@@ -195,6 +203,9 @@ RUNNERS: dict[str, RunnerInfo] = {
     "flashinfer-graph": RunnerInfo("FlashInfer graph path (plan() + replay)",
                                    "pkv.engines.model_flashinfer:FlashInferGraphRunner", gpu=True, fp8=True,
                                    ratio_base=True, package="flashinfer"),
+    "flashinfer-xqa-graph": RunnerInfo("FlashInfer XQA graph path (no plan, replay)",
+                                       "pkv.engines.model_flashinfer:XqaGraphRunner", gpu=True, fp8=True,
+                                       ratio_base=True, package="flashinfer"),
     "flashinfer-eager": RunnerInfo("FlashInfer eager", "pkv.engines.model_flashinfer:FlashInferEagerRunner",
                                    gpu=True, fp8=True, check_base=True, package="flashinfer"),
     # not fp8: its v3 routes read 16-bit KV only

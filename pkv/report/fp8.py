@@ -18,7 +18,7 @@ from pkv.core import io
 from pkv.core.units import K
 from pkv.engines.table import PLAN_FREE, baselines
 from pkv.report.kernels import pools_note
-from pkv.report.ratios import mean_sd, num, throughputs
+from pkv.report.ratios import mean_sd, names_path, num, throughputs
 
 ENGINE = PLAN_FREE
 
@@ -41,10 +41,11 @@ def kernel_summary(frame: pd.DataFrame) -> pd.DataFrame:
     out = pd.DataFrame(index=wide.index)
     for cache in ("16-bit", "fp8-tensor", "fp8-page"):
         out[f"{ENGINE} {cache}"] = wide.get((cache, ENGINE))
-    fi16 = [wide[("16-bit", e)] for e in baselines() if ("16-bit", e) in wide]
-    fi8 = [wide[("fp8-tensor", e)] for e in baselines() if ("fp8-tensor", e) in wide]
-    out["flashinfer 16-bit"] = pd.concat(fi16, axis=1).min(axis=1) if fi16 else float("nan")
-    out["flashinfer fp8"] = pd.concat(fi8, axis=1).min(axis=1) if fi8 else float("nan")
+    for cache, col in (("16-bit", "flashinfer 16-bit"), ("fp8-tensor", "flashinfer fp8")):
+        fi = pd.DataFrame({e: wide[(cache, e)] for e in baselines() if (cache, e) in wide}, index=wide.index)
+        out[col] = fi.min(axis=1) if len(fi.columns) else float("nan")     # the fastest FlashInfer path, named
+        out[f"{col} path"] = fi.apply(lambda r: r.idxmin() if r.notna().any() else "—", axis=1) \
+            if len(fi.columns) else "—"
     out["roofline fp8-tensor"] = roof.get("fp8-tensor")
     out["over FI 16-bit"] = out["flashinfer 16-bit"] / out[f"{ENGINE} fp8-tensor"]
     out["over FI fp8"] = out["flashinfer fp8"] / out[f"{ENGINE} fp8-tensor"]
@@ -68,11 +69,15 @@ def kernel_bars(s: pd.DataFrame) -> list[str]:
     ]
 
 
+XQA_NOTE = " or the plan-free XQA: the fastest, named in `FI path`"
+
+
 def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
     s = kernel_summary(frame)
     cols = [f"{ENGINE} 16-bit", "flashinfer 16-bit", f"{ENGINE} fp8-tensor", f"{ENGINE} fp8-page", "flashinfer fp8"]
-    head = ["point", *[f"{c} µs" for c in cols], "% roofline (fp8)", "over FI 16-bit", "over FI fp8",
-            "over pkv 16-bit"]
+    named = names_path(frame["engine"])
+    head = ["point", *[f"{c} µs" for c in cols], *(["FI path 16-bit / fp8"] if named else []), "% roofline (fp8)",
+            "over FI 16-bit", "over FI fp8", "over pkv 16-bit"]
     lines = [
         "# FP8 (e4m3) KV cache: decode kernels against FlashInfer (device time)",
         "",
@@ -82,7 +87,8 @@ def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
         "from a 16-bit cache "
         "and from e4m3 caches with tensor scales (FlashInfer's convention; FlashInfer reads only these) and with "
         "per-(page, kv head) factors. FlashInfer columns are its faster decode variant (CUDA cores or tensor "
-        "cores). % roofline = FP8 K+V bytes / time / roofline for pkv-graph fp8-tensor; ratios are "
+        f"cores{XQA_NOTE if named else ''}). % roofline = FP8 K+V bytes / time / roofline for "
+        "pkv-graph fp8-tensor; ratios are "
         "time ÷ pkv-graph fp8-tensor time (> 1: PersistentKV FP8 faster). Shape: Hq 32, Hkv 8, d 128, fp16 "
         "queries, page 16, 50 % holes.",
         "",
@@ -94,7 +100,9 @@ def kernels_table(frame: pd.DataFrame, meta: dict) -> str:
         "|---|" + "---:|" * (len(head) - 1),
     ]
     for point, r in s.iterrows():
-        cells = [point, *[num(r[c], ".1f") for c in cols], num(100 * r["roofline fp8-tensor"], ".1f"),
+        path = f"{r['flashinfer 16-bit path']} / {r['flashinfer fp8 path']}"
+        cells = [point, *[num(r[c], ".1f") for c in cols], *([path] if named else []),
+                 num(100 * r["roofline fp8-tensor"], ".1f"),
                  num(r["over FI 16-bit"], ".2f"), num(r["over FI fp8"], ".2f"), num(r["over pkv 16-bit"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -20,6 +20,8 @@ import pandas as pd
 from pkv.core.units import K
 from pkv.engines.table import PLAN_FREE, flashinfer
 from pkv.core import io
+from pkv.report.ratios import names_path
+
 ENGINE = PLAN_FREE
 
 
@@ -59,6 +61,7 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
     for e in fi:
         out[e] = wide[e]
     out["best_flashinfer"] = wide[fi].min(axis=1)
+    out["best_path"] = wide[fi].apply(lambda r: r.idxmin() if r.notna().any() else "—", axis=1)
     out["ratio"] = out.best_flashinfer / out[ENGINE]
     return out
 
@@ -94,7 +97,9 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
 def table(frame: pd.DataFrame, meta: dict) -> str:
     s = summary(frame)
     fi = [e for e in flashinfer() if e in s]
-    head = ["case", f"{ENGINE} µs", "% roofline", *[f"{e} µs" for e in fi], "ratio"]
+    named = names_path(fi)
+    head = ["case", f"{ENGINE} µs", "% roofline", *[f"{e} µs" for e in fi], *(["fastest FlashInfer"] if named else []),
+            "ratio"]
     lines = [
         "# Decode kernels: PersistentKV pkv-graph against FlashInfer (device time)",
         "",
@@ -117,7 +122,8 @@ def table(frame: pd.DataFrame, meta: dict) -> str:
     ]
     for case, r in s.iterrows():
         cells = [case, f"{r[ENGINE]:.1f}", f"{100 * r.frac_of_roofline:.1f}",
-                 *[("—" if pd.isna(r[e]) else f"{r[e]:.1f}") for e in fi], f"{r.ratio:.3f}"]
+                 *[("—" if pd.isna(r[e]) else f"{r[e]:.1f}") for e in fi], *([r.best_path] if named else []),
+                 f"{r.ratio:.3f}"]
         lines.append("| " + " | ".join(cells) + " |")
     others = sorted(set(frame.engine) - {ENGINE, *flashinfer()})
     if others:

@@ -62,6 +62,22 @@ def ratio_base(frame: pd.DataFrame) -> str:
     return next((b for b in runners("ratio_base") if b in present), sorted(present)[0])
 
 
+def ratio_bases(frame: pd.DataFrame) -> list[str]:
+    """The runners a ratio takes the fastest of, per (model, bucket, trace, KV dtype, seed) and
+    per timing: the GPU runners marked ratio_base that are present (FlashInfer's graph paths,
+    planned and plan-free XQA), else ratio_base(frame) alone (the FP32 reference on the CPU)."""
+    present = set(frame["engine"])
+    gpu = [b for b in runners("ratio_base") if b in present and RUNNERS[b].gpu]
+    return gpu or [ratio_base(frame)]
+
+
+def _fastest(out: pd.DataFrame, bases: list[str], keys: list[str], column: str, lowest: bool) -> pd.DataFrame:
+    """Per `keys`: the best `column` over the `bases` rows of `out` and the runner that has it."""
+    b = out[out["engine"].isin(bases)].dropna(subset=[column])
+    g = b.groupby(keys, sort=True, observed=True)[column]
+    return b.loc[g.idxmin() if lowest else g.idxmax()].set_index(keys)[[column, "engine"]]
+
+
 def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (KEYS, seed, engine): medians over steps, pipelined tok/s, ratios over the base."""
     keys = keys_of(frame)
@@ -81,14 +97,14 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     pipe = frame[frame["kind"] == "pipelined"].groupby([*keys, "seed", "engine"], sort=True, observed=True)
     out["pipelined_tps"] = pipe["tokens"].sum() / pipe["wall_s"].sum()
     out = out.reset_index()
-    base = out[out["engine"] == ratio_base(frame)].set_index([*keys, "seed"])
-    joined = out.join(base[["wall_ms", "device_ms", "pipelined_tps"]].add_suffix("_base"), on=[*keys, "seed"])
-    out["wall_x"] = joined["wall_ms_base"] / joined["wall_ms"]
-    out["device_x"] = joined["device_ms_base"] / joined["device_ms"]
-    out["pipelined_x"] = joined["pipelined_tps"] / joined["pipelined_tps_base"]
-    if "kv_dtype" in keys:   # the same base engine on the 16-bit cache: what FP8 buys over 16-bit practice
-        b16 = base.reset_index()
-        b16 = b16[b16["kv_dtype"] == "auto"].set_index([*KEYS, "seed"])
+    bases, on = ratio_bases(frame), [*keys, "seed"]
+    for name, column, lowest in (("wall", "wall_ms", True), ("device", "device_ms", True),
+                                 ("pipelined", "pipelined_tps", False)):
+        best = out.join(_fastest(out, bases, on, column, lowest).add_suffix("_base"), on=on)
+        out[f"{name}_x"] = best[f"{column}_base"] / best[column] if lowest else best[column] / best[f"{column}_base"]
+        out[f"{name}_base"] = best["engine_base"]
+    if "kv_dtype" in keys:   # the fastest base on the 16-bit cache: what FP8 buys over 16-bit practice
+        b16 = _fastest(out[out["kv_dtype"] == "auto"], bases, [*KEYS, "seed"], "device_ms", True)
         out["device_x16"] = out.join(b16[["device_ms"]].add_suffix("_b16"), on=[*KEYS, "seed"])["device_ms_b16"] \
             / out["device_ms"]
     return out
@@ -107,7 +123,8 @@ def _engine_rank(engine: str) -> int:
 def table(frame: pd.DataFrame) -> pd.DataFrame:
     """The formatted table: one row per model x bucket x trace x engine."""
     s = per_seed(frame)
-    base = ratio_base(frame)
+    bases = ratio_bases(frame)
+    base = bases[0] if len(bases) == 1 else "fastest FlashInfer"   # several: a column names the winner
     keys = keys_of(frame)
     kv = "kv_dtype" in keys
     rows = []
@@ -126,6 +143,8 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
             "Pipelined tok/s": num(g["pipelined_tps"].mean(), ".0f"),
             f"Wall × {base}": mean_sd(g["wall_x"]), f"Device × {base}": mean_sd(g["device_x"]),
             f"Pipelined × {base}": mean_sd(g["pipelined_x"]),
+            **({"FlashInfer path (wall / device)": f"{modal_route(g['wall_base'])} / {modal_route(g['device_base'])}"}
+               if len(bases) > 1 else {}),
             **({f"Device × {base} 16-bit": mean_sd(g["device_x16"])} if kv else {}),
             "Prepare µs": num(g["prepare_us"].median(), ".1f"),
             **({"Rel err (max)": num(g["max_rel_err"].max(), ".1e")} if kv else {}),
@@ -144,11 +163,13 @@ CAPTION = ("Each trace is served at max_active = {buckets} (continuous batching)
            "medians over the steps that ran in it (serial pass; wall: host prepare + launch + synchronize; "
            "device: CUDA events around the graph replay, or around the eager layers); pipelined tok/s: the job "
            "served at max_active = bucket, all its steps back to back (the host prepares step t+1 while the GPU "
-           "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph; the FP32 reference on the "
-           "CPU) as speed-ups (> 1 = faster; mean±std over seeds). Prepare µs: the host prepare()/plan() of one "
+           "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph{xqa}; the FP32 reference on "
+           "the CPU) as speed-ups (> 1 = faster; mean±std over seeds). Prepare µs: the host prepare()/plan() of one "
            "step. Check fails / checked: steps whose final hidden state left the tolerance against the "
            "correctness baseline's (FlashInfer eager; the FP32 reference on the CPU) for the same input. Every "
            "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
+XQA_CAPTION = (", or its plan-free XQA graph path flashinfer-xqa-graph where that is faster, per seed and timing: "
+               "the winner is named in `FlashInfer path`")
 # Per-layer KV runs (files with kv_dtype): the same table plus the KV dtype, FP8's accuracy and ratio.
 CAPTION_KV = (CAPTION.split(" Every layer reads")[0] + " Every layer attends over its own KV tensor (same page "
               "table and lengths, its own values). KV: the 16-bit cache, or the same values in FP8 e4m3 (tensor "
@@ -198,7 +219,8 @@ def render_md(frame: pd.DataFrame, metas: list[dict]) -> str:
     smoke = any(m.get("profile") == "smoke" for m in metas)
     banner = f"> **{SMOKE_BANNER}.**\n\n" if smoke else ""
     body = tabulate(table(frame), headers="keys", tablefmt="github", showindex=False, disable_numparse=True)
-    caption = (CAPTION_KV if "kv_dtype" in frame.columns else CAPTION).format(buckets=_buckets(frame))
+    xqa = XQA_CAPTION if len(ratio_bases(frame)) > 1 else ""
+    caption = (CAPTION_KV if "kv_dtype" in frame.columns else CAPTION).format(buckets=_buckets(frame), xqa=xqa)
     return f"# {TITLE}\n\n{banner}{caption}\n\n{body}\n\nSource: {provenance_line(metas)}.\n"
 
 

@@ -36,14 +36,42 @@ def throughputs(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 
 def ratios(frame: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
-    """Per (keys, engine): throughput ratio over the faster baseline per timing."""
+    """Per (keys, engine): throughput ratio over the fastest baseline per timing (every
+    FlashInfer decode path measured in the same job: table.baselines()), and in `{timing}_base`
+    the baseline that was the fastest."""
     t = throughputs(frame, keys)
     base = baselines(frame)
-    best = t[t["engine"].isin(base)].groupby(keys, sort=True, observed=True)[[f"{n}_tps" for n in TIMINGS]].max()
+    b = t[t["engine"].isin(base)]
+    g = b.groupby(keys, sort=True, observed=True)
+    best = g[[f"{n}_tps" for n in TIMINGS]].max()
     t = t.join(best.add_suffix("_base"), on=keys)
     for name in TIMINGS:
         t[f"{name}_ratio"] = t[f"{name}_tps"] / t[f"{name}_tps_base"]
+        won = b.dropna(subset=[f"{name}_tps"])
+        winner = won.loc[won.groupby(keys, sort=True, observed=True)[f"{name}_tps"].idxmax()].set_index(keys)["engine"]
+        t = t.join(winner.rename(f"{name}_base"), on=keys)
     return t
+
+
+def names_path(engines) -> bool:
+    """Whether a table names the fastest FlashInfer path of each row: where the plan-free XQA
+    ran beside the planned variants (a run before it keeps its committed columns)."""
+    present = set(engines)
+    return any(b in present for b in table.baselines() if b not in table.planned())
+
+
+def base_path(rows: pd.DataFrame, timings: tuple[str, ...] = ("wall", "cuda")) -> str:
+    """Which baseline was the fastest for a table row's ratios (rows of ratios(), one per seed),
+    per timing: "flashinfer-tc / flashinfer-xqa" (wall / CUDA), a split over seeds as
+    "flashinfer-tc 3/5, flashinfer-xqa 2/5"."""
+    cells = []
+    for name in timings:
+        counts = rows[f"{name}_base"].dropna().value_counts()
+        ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        total = int(counts.sum())
+        cells.append("–" if not ranked else ranked[0][0] if len(ranked) == 1
+                     else ", ".join(f"{e} {c}/{total}" for e, c in ranked))
+    return " / ".join(cells)
 
 
 def routers(frame: pd.DataFrame) -> list[str]:

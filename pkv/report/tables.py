@@ -29,8 +29,8 @@ from pkv.core.io import atomic_write_many
 from pkv.core.units import K
 from pkv.config.resolve import SMOKE_BANNER
 from pkv.measure.nsight import table5
-from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, baselines, mean_sd, modal_route, num,  # noqa: F401
-                        ratios, router_label, routers, throughputs, trace_label, trace_order)
+from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, base_path, baselines, mean_sd, modal_route,  # noqa: F401
+                        names_path, num, ratios, router_label, routers, throughputs, trace_label, trace_order)
 # What the report reads and refuses (names re-exported for the modules that import them here).
 from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, frozen, load, missing_seeds,  # noqa: F401
                              seeds_cell)
@@ -77,6 +77,7 @@ def t_serving(raw: Raw) -> pd.DataFrame:
             "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
             "Wall ratio min": num(r.loc[sel, "wall_ratio"].min()),
             "Max |e|": num(steps["max_abs_err"].max(), ".3e"), "Mean |e|": num(steps["mean_abs_err"].mean(), ".3e"),
+            **({"FlashInfer path (wall / CUDA)": base_path(r.loc[sel])} if names_path(f["engine"]) else {}),
             "Seeds": seeds_cell(raw, "serve", family, batch, r.loc[sel, "seed"].nunique()),
         })
     return pd.DataFrame(rows)
@@ -190,7 +191,8 @@ def t_gqa_sweep(raw: Raw) -> pd.DataFrame:
         ungated = g[g["engine"] == table.WORKQUEUE]
         rows.append({"G": str(int(group)), "H_kv": kv_heads[int(group)], "Selected route": modal_route(steps["route"]),
                      "CUDA tok/s ratio": num(a["cuda_ratio"].mean()), "Wall tok/s ratio": num(a["wall_ratio"].mean()),
-                     "Ungated workqueue wall ratio": num(ungated["wall_ratio"].mean())})
+                     "Ungated workqueue wall ratio": num(ungated["wall_ratio"].mean()),
+                     **({"FlashInfer path (wall / CUDA)": base_path(a)} if names_path(f["engine"]) else {})})
     return pd.DataFrame(rows)
 
 
@@ -208,7 +210,8 @@ def _per_engine_ablation(raw: Raw, reference: str) -> pd.DataFrame:
                      "Graph ms/step": num(g["graph_ms"].mean(), ".4f"),
                      "Wall ratio vs FlashInfer": num(g["wall_ratio"].mean()),
                      "CUDA ratio vs FlashInfer": num(g["cuda_ratio"].mean()),
-                     f"Wall vs {reference}": num((g.set_index("seed")["wall_tps"] / ref["wall_tps"]).mean())})
+                     f"Wall vs {reference}": num((g.set_index("seed")["wall_tps"] / ref["wall_tps"]).mean()),
+                     **({"FlashInfer path (wall / CUDA)": base_path(g)} if names_path(f["engine"]) else {})})
     return pd.DataFrame(rows)
 
 
@@ -228,6 +231,7 @@ def t_external(raw: Raw) -> pd.DataFrame:
         steps = f[f["engine"] == engine]
         rows.append({"Engine": engine, "Route": modal_route(steps["route"]), "CUDA tok/s ratio": num(g["cuda_ratio"].mean()),
                      "Wall tok/s ratio": num(g["wall_ratio"].mean()), "Max |e|": num(steps["max_abs_err"].max(), ".3e"),
+                     **({"FlashInfer path (wall / CUDA)": base_path(g)} if names_path(f["engine"]) else {}),
                      "Steps": str(int(g["steps"].sum()))})
     return pd.DataFrame(rows)
 
