@@ -68,7 +68,7 @@ def test_roles_are_rows_of_their_kind():
     assert reference.cpu and reference.fp8 and table.REFERENCE not in table.deployable()
     workqueue = table.info(table.WORKQUEUE)
     assert workqueue.route and workqueue.split_route == "workqueue" and workqueue.merge == "segmented"
-    assert table.info(table.PLAN_FREE).plan_free and table.info(table.PLAN_FREE).route
+    assert table.info(table.PKV_KERNEL).plan_free and table.info(table.PKV_KERNEL).route
 
 
 def test_the_fields_say_what_differs():
@@ -78,7 +78,8 @@ def test_the_fields_say_what_differs():
     assert all(bool(e.buckets) == (e.split_route == "bucket") for e in pkv.values())
     assert table.the(buckets="masked") == "pkv-masked" and table.the(buckets="exact") == "pkv-bucket"
     assert table.the(merge="fused") == "pkv-fused" and table.the(tensor_cores=True) == "flashinfer-tc"
-    assert [n for n, e in table.ENGINES.items() if e.plan_free] == [table.PLAN_FREE]
+    assert [n for n, e in table.ENGINES.items() if e.plan_free] == [table.PKV_KERNEL, "flashinfer-xqa"]
+    assert "flashinfer-xqa" not in table.planned() and "flashinfer-tc" in table.planned()
     with pytest.raises(ValueError, match="not one"):
         table.the(merge="segmented")
     with pytest.raises(ValueError, match="not one"):
@@ -114,7 +115,7 @@ def test_every_route_and_baseline_has_its_paper_name():
 
 
 def test_persistentkv_labels():
-    assert table.persistentkv("pkv-masked:row_local=false") and table.persistentkv(table.PLAN_FREE)
+    assert table.persistentkv("pkv-masked:row_local=false") and table.persistentkv(table.PKV_KERNEL)
     assert not any(table.persistentkv(n) for n in ("flashinfer", "sdpa-repack", "adaptive", "vllm-paged", ""))
 
 

@@ -19,7 +19,7 @@ import sys
 import numpy as np
 import torch
 
-from pkv.engines.table import PLAN_FREE, baselines
+from pkv.engines.table import PKV_KERNEL, baselines
 
 DATA = ("random", "outliers-x10", "outliers-x100", "head-spread")
 OUTLIER_CHANNELS = 4     # per KV head, the same channels for every token (as in real K caches)
@@ -90,7 +90,7 @@ def measure(data: list[str], seeds: list[int], engines: list[str], lens: list[in
 def add_arguments(ap) -> None:
     ap.add_argument("--data", default=",".join(DATA), help="comma-separated data kinds: " + ",".join(DATA))
     ap.add_argument("--seeds", default="20260623,20260624,20260625", help="comma-separated seeds (caches and queries)")
-    ap.add_argument("--engines", nargs="+", default=[PLAN_FREE, *baselines()],
+    ap.add_argument("--engines", nargs="+", default=[PKV_KERNEL, *baselines()],
                     help="engines decoding each cache (one that cannot read it records its error)")
     ap.add_argument("--lens", default="1024,2048,3000,4096,8192,12000,16384,32768",
                     help="comma-separated request lengths of the batch")

@@ -25,7 +25,7 @@ import torch
 
 from pkv.bench.cases import BENCH_SEED, Case, KvArena, build_caches
 from pkv.core.units import K
-from pkv.engines.table import PLAN_FREE, flashinfer, parse_spec, persistentkv   # the one table of engine names
+from pkv.engines.table import PKV_KERNEL, flashinfer, parse_spec, persistentkv   # the one table of engine names
 
 
 
@@ -231,7 +231,7 @@ def run_trace(args, cases, engines, command: str) -> int:
         step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
         for label in engines:
             name, options = parse_spec(label)
-            if name != PLAN_FREE:
+            if name != PKV_KERNEL:
                 continue
             es = [make_engine(name, c, **options) for c in caches]
             calls = [(e, e.prepare(step), q) for e, q in zip(es, queries)]
@@ -283,7 +283,7 @@ def add_arguments(ap) -> None:
     ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
     ap.add_argument("--cases", default="", help="comma-separated case names to keep (default: every case)")
     ap.add_argument("--page-size", type=int, default=0, help="run every case at this page size (default: the case's)")
-    ap.add_argument("--engines", nargs="+", default=[PLAN_FREE, *flashinfer()],
+    ap.add_argument("--engines", nargs="+", default=[PKV_KERNEL, *flashinfer()],
                     help="engine specs (name or name:key=value,...), e.g. pkv-graph:min_tiles=4")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
     ap.add_argument("--seed", type=int, default=BENCH_SEED, help="seed of the KV bytes, queries and ragged lengths")

@@ -15,6 +15,7 @@ from pkv.core.paging import FlashInferView, PageAssignment, flashinfer_view
 from pkv.core.shape import Shape
 from pkv.engines.flashinfer import workspace as new_workspace
 from pkv.engines.model import GraphRunner, Runner
+from pkv.engines.table import the
 
 
 def padded_flashinfer_view(assignment: PageAssignment, step: StepState, rows: int, pad_page: int = 0) -> FlashInferView:
@@ -137,7 +138,6 @@ class XqaGraphRunner(GraphRunner):
     one gather of block-table rows into fixed addresses, shared by every layer) and one replay.
     No plan() on the host."""
 
-    name = "flashinfer-xqa-graph"
     takes_buckets = True
 
     def __init__(self, model, caches, xs, buckets):
@@ -145,6 +145,7 @@ class XqaGraphRunner(GraphRunner):
 
         super().__init__(model, caches, xs)
         self.engine = XqaEngine(self.cache, max_rows=max(buckets), validate=False)
+        self.engine.name = the(kind="xqa")   # its steps' plans carry the engine row's name
         self.plans: dict[int, object] = {}
 
     def prepare(self, step, bucket):

@@ -80,7 +80,8 @@ ENGINES: dict[str, EngineInfo] = {
 ROUTER = "adaptive"            # the adaptive router: the serving stages' engine, every router label's default
 REFERENCE = "reference"        # the FP32 reference: the correctness baseline, FlashInfer's stand-in on a CPU
 WORKQUEUE = "pkv-workqueue"    # the host-scheduled workqueue: the B4 sweep's engine, the ablations' yardstick
-PLAN_FREE = "pkv-graph"        # the single-launch kernel: the kernel, FP8 and warm-up benchmarks' PersistentKV engine
+PKV_KERNEL = "pkv-graph"       # PersistentKV's own kernel (single launch, split on the GPU): the kernel, FP8 and
+                               # warm-up benchmarks' PersistentKV engine
 
 
 def the(**fields) -> str:

@@ -105,14 +105,12 @@ def xqa_module(shape):
 class XqaPlan(Plan):
     """A step's plan: the `rows` the kernel runs (the step, or its padded bucket)."""
 
-    def __init__(self, step: StepState, rows: int):
-        super().__init__(step, XqaEngine.name, LAUNCHES, None)
+    def __init__(self, step: StepState, engine: str, rows: int):
+        super().__init__(step, engine, LAUNCHES, None)
         self.rows = rows
 
 
 class XqaEngine(Engine):
-    name = "flashinfer-xqa"
-
     def __init__(self, cache: PagedCache, max_rows: int | None = None, hopper_fp8: bool = False,
                  validate: bool = True):
         super().__init__(cache, validate)
@@ -153,7 +151,7 @@ class XqaEngine(Engine):
         self._staging.upload([step.seq_lens, self._ones[:pad], step.request_ids, self._zeros[:pad]], out=self.meta)
         _, ids, table = self._rows(rows)
         torch.index_select(self.cache.block_table, 0, ids, out=table)
-        return XqaPlan(step, rows)
+        return XqaPlan(step, self.name, rows)
 
     def _rows(self, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(lengths [rows, 1], request ids [rows], block-table rows [rows, W]) at fixed addresses,

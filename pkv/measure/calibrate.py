@@ -42,7 +42,7 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.engines.table import PLAN_FREE, pkv_engines, pkv_routes, route_key
+from pkv.engines.table import PKV_KERNEL, pkv_engines, pkv_routes, route_key
 from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
 from pkv.measure.loop import Job, measure
 from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin, with_device_scale
@@ -237,7 +237,7 @@ def fit_graph(frame: pd.DataFrame, min_tiles: int = GRAPH_MIN_TILES, piece_cost:
     coefficients of T = fixed + KV bytes * a + merge bytes * b, non-negative, minimizing
     the squared relative error against the measured device time. The grid (num_ctas) is
     the rows' own: CTAs with work + CTAs without."""
-    rows = replayed(frame[(frame["engine"] == PLAN_FREE) & frame["decode_ctas"].notna()])
+    rows = replayed(frame[(frame["engine"] == PKV_KERNEL) & frame["decode_ctas"].notna()])
     if rows.empty:
         return None
     grids = (rows["decode_ctas"] + rows["empty_ctas"]).unique()

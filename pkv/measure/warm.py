@@ -66,7 +66,7 @@ def variants(cfg: dict, sweep: tuple[Shaped, ...] = ()) -> list[Variant]:
     dtype, head_dim = shape["dtype"], int(shape["head_dim"])
     kv = shape.get("kv_dtype", "auto")
     g, p = BUILD_GROUP, BUILD_PAGE
-    out = [(table.PLAN_FREE, head_dim, dtype, kv, g, p)]          # our one extension serves every shape
+    out = [(table.PKV_KERNEL, head_dim, dtype, kv, g, p)]          # our one extension serves every shape
     for d, kv_dtype in dict.fromkeys([*((d, "auto") for d in sorted({head_dim, *SWEEP_HEAD_DIMS})),
                                       (head_dim, kv), (head_dim, "fp8")]):   # FP8 stages: the serving head_dim
         out += [(e, d, dtype, kv_dtype, g, p) for e in PER_HEAD_DIM]

@@ -125,7 +125,7 @@ def serving_engines(frame: pd.DataFrame) -> list[str]:
     """The engines the serving-ratio figure plots: every router (pkv.report.ratios.routers,
     the plain `adaptive` first), then the plan-free kernel (pkv-graph) where the run has it."""
     present = set(frame["engine"])
-    return [*(rep.routers(frame) or [table.ROUTER]), *[e for e in (table.PLAN_FREE,) if e in present]]
+    return [*(rep.routers(frame) or [table.ROUTER]), *[e for e in (table.PKV_KERNEL,) if e in present]]
 
 
 def _engine_label(engine: str) -> str:
@@ -167,8 +167,8 @@ def serving_ratios_figure(frame: pd.DataFrame, smoke: bool):
                 labels.append(lab)
     axes[0, 0].legend(handles, labels, title="timing (error bars: std over seeds)", fontsize=8, title_fontsize=8,
                       ncols=4, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    names = ["adaptive route" if len(engines) - (table.PLAN_FREE in engines) == 1 else "adaptive routes",
-             *[e for e in engines if e == table.PLAN_FREE]]
+    names = ["adaptive route" if len(engines) - (table.PKV_KERNEL in engines) == 1 else "adaptive routes",
+             *[e for e in engines if e == table.PKV_KERNEL]]
     title = " and ".join(names)
     return _layout(fig, f"{title[0].upper()}{title[1:]} over the {_baseline_name(frame)}, held-out seeds", smoke)
 

@@ -16,11 +16,11 @@ import pandas as pd
 
 from pkv.core import io
 from pkv.core.units import K
-from pkv.engines.table import PLAN_FREE, baselines
+from pkv.engines.table import PKV_KERNEL, baselines
 from pkv.report.kernels import pools_note
 from pkv.report.ratios import mean_sd, names_path, num, throughputs
 
-ENGINE = PLAN_FREE
+ENGINE = PKV_KERNEL
 
 
 def _provenance(meta: dict) -> str:

@@ -18,11 +18,11 @@ import numpy as np
 import pandas as pd
 
 from pkv.core.units import K
-from pkv.engines.table import PLAN_FREE, flashinfer
+from pkv.engines.table import PKV_KERNEL, flashinfer
 from pkv.core import io
 from pkv.report.ratios import names_path
 
-ENGINE = PLAN_FREE
+ENGINE = PKV_KERNEL
 
 
 def pools_note(meta: dict) -> str:

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
-from pkv.engines.table import PLAN_FREE, ROUTER, baselines, pkv_engines, pkv_routes
+from pkv.engines.table import PKV_KERNEL, ROUTER, baselines, pkv_engines, pkv_routes
 from pkv.plan.costmodel import GRAPH, Constants, RouteCost, estimate  # noqa: E402
 from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.report.notes import provenance_line  # noqa: E402
@@ -268,7 +268,7 @@ def regret_md(root: Path, constants: Path | None = None) -> str:
     root = Path(root)
     k = Constants.load(constants or root / "calibration" / "constants.json")
     serve = load(root, ("serve",))
-    return regret_markdown(regret(serve.frame, k), serve.smoke, graph=PLAN_FREE in candidates(serve.frame, k),
+    return regret_markdown(regret(serve.frame, k), serve.smoke, graph=PKV_KERNEL in candidates(serve.frame, k),
                            source=provenance_line(serve),
                            margin=margin_sentence(json.loads((constants or root / "calibration" / "constants.json")
                                                              .read_text())))
