@@ -100,3 +100,17 @@ def test_coverage_has_a_row_per_router_engine():
     assert len(both) == 2 * len(plain)
     pd.testing.assert_frame_equal(both.iloc[:len(plain)].reset_index(drop=True), plain)
     assert set(both["Regime"].iloc[len(plain):]) == {f"{r} · objective=overlapped" for r in plain["Regime"]}
+
+
+def test_pkv_report_removes_a_table_whose_inputs_are_gone(tmp_path, capsys):
+    """By hand as in the pipeline: a table left from an earlier report whose stage's files are
+    gone is removed (and said), never left stale beside the fresh ones."""
+    from pkv.cli.main import main
+
+    _write(tmp_path, "s", _frame(_rows("flashinfer", 2.0, 1.0), _rows("adaptive", 1.0, 1.0)))
+    stale = tmp_path / "tables" / "isolated.md"
+    stale.parent.mkdir(parents=True, exist_ok=True)
+    stale.write_text("from a run whose raw/isolated/ files are gone\n")
+    assert main(["report", str(tmp_path)]) == 0
+    assert not stale.exists() and (tmp_path / "tables" / "serving.md").is_file()
+    assert f"skipped {stale} (removed the stale one)" in capsys.readouterr().err

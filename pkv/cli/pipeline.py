@@ -278,7 +278,10 @@ def report_cmd(args) -> int:
     for path in written:
         print(path)
     for path, why in skipped:
-        print(f"skipped {path}: {why}", file=sys.stderr)
+        # A table of gone inputs never outlives them: the one from an earlier report is removed.
+        stale = path.exists()
+        path.unlink(missing_ok=True)
+        print(f"skipped {path}{' (removed the stale one)' if stale else ''}: {why}", file=sys.stderr)
     return 0
 
 
