@@ -234,17 +234,15 @@ class NsightCapture:
 
 @dataclass(frozen=True)
 class ModelStep:
-    """The model-level step (pkv measure model-step); an absent key takes its profile's
-    default (pkv.measure.model_plan.PROFILE_DEFAULTS), so a config without the section
-    runs what the stage ran before it had one."""
+    """The model-level step (pkv measure model-step, pkv.measure.model_plan)."""
 
-    shapes: Optional[tuple[str, ...]] = None
-    buckets: Optional[tuple[int, ...]] = None
-    families: Optional[tuple[str, ...]] = None
-    steps: Optional[int] = None
-    engines: Optional[tuple[str, ...]] = None
-    repeats: Optional[int] = None
-    kv_dtypes: Optional[tuple[str, ...]] = None
+    shapes: tuple[str, ...]
+    buckets: tuple[int, ...]
+    families: tuple[str, ...]
+    steps: int
+    engines: tuple[str, ...]
+    repeats: int
+    kv_dtypes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -268,7 +266,7 @@ class Config:
     mlp_proxy: MlpProxy
     external: External
     nsight_capture: NsightCapture
-    model_step: Optional[ModelStep] = None   # optional: the profile's defaults when absent
+    model_step: ModelStep
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> "Config":
