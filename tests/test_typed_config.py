@@ -116,14 +116,18 @@ def test_a_partial_kv_fp8_section_is_named_and_a_smoke_patch_of_it_is_fine():
     from pkv.config.resolve import ConfigError, effective, load_schema, validate_config
 
     raw = yaml.safe_load(open("config.yaml"))
-    whole = {"family": "bimodal", "max_active": 8, "policy": "tensor", "engines": ["pkv-graph"]}
+    whole = {"family": "bimodal", "max_active": 8, "max_steps": 32, "policy": "tensor", "engines": ["pkv-graph"]}
     cfg = copy.deepcopy(raw)
-    cfg["ablations"]["kv_fp8"] = whole
+    cfg["ablations"]["kv_fp8"] = dict(whole)
     cfg["smoke"]["ablations"]["kv_fp8"] = {"max_steps": 4, "engines": ["reference", "pkv-graph"]}
     validate_config(cfg, load_schema())
     assert Config.from_dict(effective(cfg, "smoke")).ablations.kv_fp8.engines == ("reference", "pkv-graph")
     del cfg["ablations"]["kv_fp8"]["family"]
     with pytest.raises(ConfigError, match=r"^config: ablations\.kv_fp8\.family: missing key$"):
+        Config.from_dict(effective(cfg, "paper"))
+    # Its step count too: no fallback to measure.max_steps in code.
+    cfg["ablations"]["kv_fp8"] = {k: v for k, v in whole.items() if k != "max_steps"}
+    with pytest.raises(ConfigError, match=r"^config: ablations\.kv_fp8\.max_steps: missing key$"):
         Config.from_dict(effective(cfg, "paper"))
 
 

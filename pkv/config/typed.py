@@ -167,9 +167,9 @@ class Ablation:
 class KvFp8:
     family: str
     max_active: int
+    max_steps: int
     policy: str
     engines: tuple[str, ...]
-    max_steps: Optional[int] = None
 
 
 @dataclass(frozen=True)
