@@ -1,6 +1,7 @@
-"""The typed config (pkv.config.typed): its fields are exactly the schema's keys, it loads
-the committed reference run's frozen config and the smoke config, gives the same dict
-back (so every config hash stays), and refuses an unknown or a missing key by its path."""
+"""The typed config (pkv.config.typed): its fields are exactly the schema's keys, its defaults
+the schema's, it loads the committed reference run's frozen config and the smoke config,
+gives the dict back with the schema's defaults filled in, and refuses an unknown or a
+missing key by its path."""
 
 from __future__ import annotations
 
@@ -49,6 +50,12 @@ def _mismatches(cls, node: dict, where: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     for name in set(props) & set(fields):
         sub = _resolve(props[name])
+        # A default is written once, in the schema: a field defaults to it, or to None (absent = off).
+        default = fields[name].default
+        if "default" in sub and default != sub["default"]:
+            out.append(f"{where}.{name}: the schema's default {sub['default']!r}, the field's {default!r}")
+        if "default" not in sub and default not in (dataclasses.MISSING, None):
+            out.append(f"{where}.{name}: a default {default!r} in {cls.__name__}, none in the schema")
         inner = _dataclass_of(hints[name])
         if sub.get("type") == "array" and isinstance(sub.get("items"), dict):
             sub = _resolve(sub["items"])
@@ -68,13 +75,18 @@ def test_fields_cover_every_schema_key_exactly():
 
 
 @pytest.mark.parametrize("source", ["reference", "smoke", "paper"])
-def test_loads_the_frozen_configs_and_gives_the_same_dict_back(source):
+def test_loads_the_frozen_configs_and_gives_the_dict_back_with_the_schemas_defaults(source):
     if source == "reference":
         cfg = json.loads((REPO / "results" / "config.json").read_text())
     else:
         cfg = effective(CONFIG, resolve_profile(source, False))
     t = Config.from_dict(cfg)
-    assert t.to_dict() == cfg and config_hash(t.to_dict()) == config_hash(cfg)
+    # The dict back, with the schema's default for a key it leaves out (the values used).
+    kv_default = SCHEMA["$defs"]["sections"]["shape"]["properties"]["kv_dtype"]["default"]
+    assert "kv_dtype" not in cfg["shape"] and t.shape.kv_dtype == kv_default
+    assert t.to_dict() == {**cfg, "shape": {**cfg["shape"], "kv_dtype": kv_default}}
+    fp8 = Config.from_dict({**cfg, "shape": {**cfg["shape"], "kv_dtype": "fp8"}})
+    assert fp8.shape.kv_dtype == "fp8" and fp8.to_dict()["shape"]["kv_dtype"] == "fp8"
     assert t.seeds.calibration == cfg["seeds"]["calibration"] and t.traces["zipf"] == t.traces.zipf
     assert t.engine_sets["main"] == tuple(cfg["engine_sets"]["main"])
     with pytest.raises(dataclasses.FrozenInstanceError):

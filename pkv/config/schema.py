@@ -64,6 +64,20 @@ def coerce(value, schema: dict, root: dict | None = None):
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
 
+@cache
+def _schema_file() -> dict:
+    return read_config_file(SCHEMA_PATH)
+
+
+def schema_default(section: str, key: str):
+    """The schema's `default:` of an optional key `<section>.<key>`: the one place a value
+    the config may leave out is written (the typed view, pkv.config.typed, takes it from here)."""
+    node = _schema_file()["$defs"]["sections"][section]["properties"][key]
+    if "default" not in node:
+        raise KeyError(f"{SCHEMA_PATH}: {section}.{key} has no default")
+    return node["default"]
+
+
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     """The config schema, with the names only the code's tables know filled in: the engine
     specs and the model-step runners (pkv.engines.table) and the trace families

@@ -1,17 +1,22 @@
 """The validated config as typed, frozen dataclasses: `Config.from_dict(cfg)`.
 
-A view over the same dict the pipeline freezes to config.json (whose hash every Parquet
-file records): `to_dict()` gives that dict back unchanged, so the frozen format and every
-config hash stay as they are. What it adds is that a wrong key fails when the config is
-loaded, not in the middle of a job: a key the dataclasses do not name is refused, and so
-is a missing one, each naming its dotted path; in code, `cfg.measure.max_step` is an
-AttributeError a type checker sees. tests/test_typed_config.py checks that the fields
-cover the schema's keys exactly.
+One source of truth: workflow/schemas/config.schema.yaml holds every key, its type, its
+limits and, for a key the config may leave out, its `default:`. This module derives from
+it: a field's default is read from the schema (pkv.config.schema.schema_default), never
+written here, and tests/test_typed_config.py checks that the fields are exactly the
+schema's keys, of its types, with its defaults. The field names are written out (not
+made from the schema at import) so that `cfg.measure.max_step` is an AttributeError a
+type checker and an editor see; an optional key without a schema default is None when
+absent, and means "off" (no column mapping, no overlapped margins).
 
-Types follow workflow/schemas/config.schema.yaml, which has validated the values before
-(lists become tuples, so a Config is immutable and hashable).
+A view over the dict the pipeline freezes to config.json (whose hash every Parquet file
+records; hashes are of that dict, never of this view). A wrong key fails when the config
+is loaded, not in the middle of a job: a key the dataclasses do not name is refused, and
+so is a missing one, each naming its dotted path. `to_dict()` gives the dict back with
+the schema's defaults for keys it left out: the values the run uses.
 
-Imports nothing heavy.
+Values have been validated by the schema before (lists become tuples, so a Config is
+immutable and hashable). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from functools import cache
 from typing import Mapping, Optional
 
 from pkv.config.errors import ConfigError
+from pkv.config.schema import schema_default
 from pkv.config.stages import external_identity
 from pkv.core.families import FAMILIES
 
@@ -36,7 +42,7 @@ class Shape:
     head_dim: int
     page_size: int
     dtype: str
-    kv_dtype: Optional[str] = None   # optional in the schema: auto (= dtype) when absent
+    kv_dtype: str = schema_default("shape", "kv_dtype")
 
 
 @dataclass(frozen=True)
@@ -117,8 +123,8 @@ class Policy:
     margins: tuple[Margin, ...]
     # Optional: the overlapped objective's margins; absent, it promotes by `margins`.
     overlapped_margins: Optional[tuple[Margin, ...]] = None
-    # Optional: true, the calibration fits that margin instead (pkv.measure.overlapped_margin).
-    fit_overlapped_margin: Optional[bool] = None
+    # True: the calibration fits that margin instead (pkv.measure.overlapped_margin).
+    fit_overlapped_margin: bool = schema_default("policy", "fit_overlapped_margin")
 
     def __post_init__(self) -> None:
         if self.fit_overlapped_margin and self.overlapped_margins is not None:
@@ -280,7 +286,8 @@ class Config:
         return cfg if isinstance(cfg, Config) else cls.from_dict(cfg)
 
     def to_dict(self) -> dict:
-        """The dict this view was made from (lists as lists, absent optional keys absent)."""
+        """The dict this view was made from, with the schema's defaults for keys it left out
+        (lists as lists; an optional key without a default absent when absent)."""
         return _plain(self)
 
 

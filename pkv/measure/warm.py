@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
+from pkv.config.typed import Config
 from pkv.engines import table
 
 # The FlashInfer variants the pipeline's stages construct: the decode wrappers at every
@@ -29,11 +30,10 @@ PER_HEAD_DIM = table.baselines()       # the decode wrappers, which the sweep ru
 SERVING_ONLY = tuple(e for e in table.flashinfer() if e not in PER_HEAD_DIM)   # the persistent kernel
 
 
-def variants(cfg: dict) -> list[tuple[str, int, str, str]]:
+def variants(cfg: "Config | dict") -> list[tuple[str, int, str, str]]:
     """(engine, head_dim, dtype, kv_dtype) to build for a resolved config, ours first."""
-    shape = cfg["shape"]
-    dtype, head_dim = shape["dtype"], int(shape["head_dim"])
-    kv = shape.get("kv_dtype", "auto")
+    shape = Config.of(cfg).shape
+    dtype, head_dim, kv = shape.dtype, shape.head_dim, shape.kv_dtype
     out = [("pkv-graph", head_dim, dtype, kv)]          # our one extension serves every shape
     for d, kv_dtype in dict.fromkeys([*((d, "auto") for d in sorted({head_dim, *SWEEP_HEAD_DIMS})),
                                       (head_dim, kv), (head_dim, "fp8")]):   # FP8 stages: the serving head_dim
