@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from pkv.config import typed
-from pkv.config.resolve import ConfigError, config_hash, effective, load_schema, resolve_profile
+from pkv.config.resolve import ConfigError, effective, load_schema, resolve_profile
 from pkv.config.typed import Config
 from worktree import REPO
 

@@ -22,6 +22,7 @@ from pkv.core.traces import Trace
 from pkv.engines.model import CPU_ENGINES, GPU_ENGINES, MODEL_SHAPES, ModelShape
 from pkv.engines.table import runners
 
+
 @dataclass(frozen=True)
 class TraceJob:
     name: str

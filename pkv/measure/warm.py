@@ -30,7 +30,7 @@ PER_HEAD_DIM = table.baselines()       # the decode wrappers, which the sweep ru
 SERVING_ONLY = tuple(e for e in table.flashinfer() if e not in PER_HEAD_DIM)   # the persistent kernel
 
 
-def variants(cfg: "Config | dict") -> list[tuple[str, int, str, str]]:
+def variants(cfg: Config | dict) -> list[tuple[str, int, str, str]]:
     """(engine, head_dim, dtype, kv_dtype) to build for a resolved config, ours first."""
     shape = Config.of(cfg).shape
     dtype, head_dim, kv = shape.dtype, shape.head_dim, shape.kv_dtype
