@@ -1,5 +1,5 @@
 """What one model-step job measures (pkv measure model-step / model-step-external): its
-settings from the config's optional `model_step` section, its traces and steps, the batch
+settings from the config's `model_step` section, its traces and steps, the batch
 buckets, and the per-layer KV caches sized from the pages the measured steps read.
 
 Memory (docs/graph-decode.md, "Memory"): every layer has its own KV tensor, so a shape's
