@@ -69,13 +69,17 @@ def _schema_file() -> dict:
     return read_config_file(SCHEMA_PATH)
 
 
-def schema_default(section: str, key: str):
-    """The schema's `default:` of an optional key `<section>.<key>`: the one place a value
-    the config may leave out is written (the typed view, pkv.config.typed, takes it from here)."""
-    node = _schema_file()["$defs"]["sections"][section]["properties"][key]
-    if "default" not in node:
-        raise KeyError(f"{SCHEMA_PATH}: {section}.{key} has no default")
-    return node["default"]
+def schema_default(definition: str, key: str):
+    """The schema's `default:` of an optional key: `key` of the object `$defs.<definition>`
+    ("sections.shape", "trace_size"). The one place a value the config may leave out is
+    written; the typed view (pkv.config.typed) takes its field defaults from here."""
+    node = _schema_file()["$defs"]
+    for part in definition.split("."):
+        node = node[part]
+    prop = node["properties"][key]
+    if "default" not in prop:
+        raise KeyError(f"{SCHEMA_PATH}: {definition}.{key} has no default")
+    return prop["default"]
 
 
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:

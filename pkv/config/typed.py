@@ -42,7 +42,7 @@ class Shape:
     head_dim: int
     page_size: int
     dtype: str
-    kv_dtype: str = schema_default("shape", "kv_dtype")
+    kv_dtype: str = schema_default("sections.shape", "kv_dtype")
 
 
 @dataclass(frozen=True)
@@ -68,19 +68,19 @@ class Measure:
 
 @dataclass(frozen=True)
 class TraceSize:
-    """A family's SyntheticSpec fields; absent ones take SyntheticSpec's defaults."""
+    """A family's SyntheticSpec fields; an absent one takes the schema's default."""
 
-    num_requests: Optional[int] = None
-    decode_min: Optional[int] = None
-    decode_max: Optional[int] = None
-    min_len: Optional[int] = None
-    max_len: Optional[int] = None
-    mean_arrival_gap: Optional[float] = None
-    scale: Optional[float] = None
+    num_requests: int = schema_default("trace_size", "num_requests")
+    decode_min: int = schema_default("trace_size", "decode_min")
+    decode_max: int = schema_default("trace_size", "decode_max")
+    min_len: int = schema_default("trace_size", "min_len")
+    max_len: int = schema_default("trace_size", "max_len")
+    mean_arrival_gap: float = schema_default("trace_size", "mean_arrival_gap")
+    scale: float = schema_default("trace_size", "scale")
 
     def given(self) -> dict:
-        """The fields the config sets (SyntheticSpec keyword arguments)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """SyntheticSpec's keyword arguments: every field, the config's value or the schema's default."""
+        return dataclasses.asdict(self)
 
 
 def _family_size(self, family: str) -> TraceSize:
@@ -124,7 +124,7 @@ class Policy:
     # Optional: the overlapped objective's margins; absent, it promotes by `margins`.
     overlapped_margins: Optional[tuple[Margin, ...]] = None
     # True: the calibration fits that margin instead (pkv.measure.overlapped_margin).
-    fit_overlapped_margin: bool = schema_default("policy", "fit_overlapped_margin")
+    fit_overlapped_margin: bool = schema_default("sections.policy", "fit_overlapped_margin")
 
     def __post_init__(self) -> None:
         if self.fit_overlapped_margin and self.overlapped_margins is not None:
