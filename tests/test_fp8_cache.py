@@ -251,7 +251,7 @@ def test_kv_fp8_stage_refuses_engines_that_do_not_read_fp8():
     from pkv.measure.stages import kv_fp8
 
     cfg = effective(yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text()), "smoke")
-    cfg["ablations"]["kv_fp8"] = {"family": "bimodal", "max_active": 8, "policy": "tensor",
+    cfg["ablations"]["kv_fp8"] = {"family": "bimodal", "max_active": 8, "max_steps": 4, "policy": "tensor",
                                   "engines": ["pkv-workqueue"]}
     with pytest.raises(ValueError, match=r"ablations.kv_fp8.engines .*pkv-workqueue.* do not read an FP8 KV cache"):
         kv_fp8(cfg, None, cfg["seeds"]["heldout"][0])

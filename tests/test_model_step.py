@@ -50,8 +50,7 @@ SEED = SMOKE["seeds"]["heldout"][0]
 
 def smoke_cfg(**section) -> Config:
     cfg = copy.deepcopy(SMOKE)
-    if section:
-        cfg["model_step"] = section
+    cfg["model_step"] = {**cfg["model_step"], **section}   # the smoke profile's keys, some replaced
     return Config.from_dict(cfg)
 
 
@@ -96,13 +95,20 @@ def test_stage_rows_name_the_commands_and_their_flags():
     assert not hasattr(ms, "main") and not hasattr(ms, "DEFAULTS")   # one CLI: pkv measure
 
 
-def test_the_section_is_optional_and_its_absence_is_the_profile_default():
-    assert mp.settings(smoke_cfg()) == mp.PROFILE_DEFAULTS["smoke"]
+def test_the_section_is_required_and_config_yaml_names_every_key():
     paper = effective(RAW, "paper")
-    absent = {k: v for k, v in paper.items() if k != "model_step"}
-    assert mp.settings(Config.from_dict(absent)) == mp.PROFILE_DEFAULTS["paper"]
+    for cfg in (paper, effective(RAW, "smoke")):
+        absent = {k: v for k, v in cfg.items() if k != "model_step"}
+        with pytest.raises(ConfigError, match="model_step: missing key"):
+            Config.from_dict(absent)
+        partial = {**cfg, "model_step": {k: v for k, v in cfg["model_step"].items() if k != "steps"}}
+        with pytest.raises(ConfigError, match="model_step.steps: missing key"):
+            Config.from_dict(partial)
+    # The smoke profile runs its `smoke:` section's keys over the paper section's.
+    assert mp.settings(smoke_cfg()).shapes == tuple(RAW["smoke"]["model_step"]["shapes"])
+    assert mp.settings(smoke_cfg()).kv_dtypes == tuple(RAW["model_step"]["kv_dtypes"])
     got = mp.settings(smoke_cfg(steps=2, buckets=[2]))
-    assert got.steps == 2 and got.buckets == (2,) and got.shapes == mp.PROFILE_DEFAULTS["smoke"].shapes
+    assert got.steps == 2 and got.buckets == (2,) and got.shapes == mp.settings(smoke_cfg()).shapes
     # config.yaml's section (8 steps per seed) is the reference run's, whose config is committed.
     assert mp.settings(Config.from_dict(paper)).steps == RAW["model_step"]["steps"] == 8
     committed = json.loads((REPO / "results" / "config.json").read_text())
@@ -123,7 +129,7 @@ def test_the_schema_names_the_shapes_and_engines_the_code_has():
     ({"typo": 1}, "typo"),
 ])
 def test_the_schema_refuses_a_bad_section(section, message):
-    cfg = {**copy.deepcopy(SMOKE), "model_step": section}
+    cfg = {**copy.deepcopy(SMOKE), "model_step": {**SMOKE["model_step"], **section}}
     with pytest.raises(ValueError, match=message):
         validate_config(cfg, load_schema(), "config")
 
@@ -246,7 +252,7 @@ def test_layer_weight_bytes_count_the_models_tensors():
 def _paper_pages():
     """The pages each paper trace's measured steps read, by model shape (the largest per shape)."""
     cfg = Config.from_dict(effective(RAW, "paper"))
-    d = mp.PROFILE_DEFAULTS["paper"]
+    d = mp.settings(cfg)
     traces = [ms.synthetic_trace(cfg, f, s) for f in d.families for s in cfg.seeds.heldout]
     traces.append(ms.external_trace(cfg, REPO / cfg.external.path))
     worst = {}

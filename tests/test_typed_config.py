@@ -1,6 +1,7 @@
-"""The typed config (pkv.config.typed): its fields are exactly the schema's keys, it loads
-the committed reference run's frozen config and the smoke config, gives the same dict
-back (so every config hash stays), and refuses an unknown or a missing key by its path."""
+"""The typed config (pkv.config.typed): its fields are exactly the schema's keys, its defaults
+the schema's, it loads the committed reference run's frozen config and the smoke config,
+gives the dict back with the schema's defaults filled in, and refuses an unknown or a
+missing key by its path."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 import yaml
 
 from pkv.config import typed
-from pkv.config.resolve import ConfigError, config_hash, effective, load_schema, resolve_profile
+from pkv.config.resolve import ConfigError, effective, load_schema, resolve_profile
 from pkv.config.typed import Config
 from worktree import REPO
 
@@ -49,6 +50,12 @@ def _mismatches(cls, node: dict, where: str) -> list[str]:
     hints = typing.get_type_hints(cls)
     for name in set(props) & set(fields):
         sub = _resolve(props[name])
+        # A default is written once, in the schema: a field defaults to it, or to None (absent = off).
+        default = fields[name].default
+        if "default" in sub and default != sub["default"]:
+            out.append(f"{where}.{name}: the schema's default {sub['default']!r}, the field's {default!r}")
+        if "default" not in sub and default not in (dataclasses.MISSING, None):
+            out.append(f"{where}.{name}: a default {default!r} in {cls.__name__}, none in the schema")
         inner = _dataclass_of(hints[name])
         if sub.get("type") == "array" and isinstance(sub.get("items"), dict):
             sub = _resolve(sub["items"])
@@ -62,19 +69,39 @@ def _mismatches(cls, node: dict, where: str) -> list[str]:
     return out
 
 
+def _with_defaults(value, node: dict):
+    """`value` with every `default:` of the schema filled in where the key is absent."""
+    node = _resolve(node)
+    if isinstance(value, list) and isinstance(node.get("items"), dict):
+        return [_with_defaults(v, node["items"]) for v in value]
+    if not isinstance(value, dict) or "properties" not in node:
+        return value
+    out = {k: _with_defaults(v, node["properties"][k]) if k in node["properties"] else v for k, v in value.items()}
+    for key, sub in node["properties"].items():
+        if key not in out and "default" in _resolve(sub):
+            out[key] = _resolve(sub)["default"]
+    return out
+
+
 def test_fields_cover_every_schema_key_exactly():
     top = {k: v for k, v in SCHEMA["properties"].items() if k not in ("smoke", "run")}
     assert _mismatches(Config, {"properties": top}, "config") == []
 
 
 @pytest.mark.parametrize("source", ["reference", "smoke", "paper"])
-def test_loads_the_frozen_configs_and_gives_the_same_dict_back(source):
+def test_loads_the_frozen_configs_and_gives_the_dict_back_with_the_schemas_defaults(source):
     if source == "reference":
         cfg = json.loads((REPO / "results" / "config.json").read_text())
     else:
         cfg = effective(CONFIG, resolve_profile(source, False))
     t = Config.from_dict(cfg)
-    assert t.to_dict() == cfg and config_hash(t.to_dict()) == config_hash(cfg)
+    # The dict back, with the schema's default for a key it leaves out (the values used).
+    kv_default = SCHEMA["$defs"]["sections"]["shape"]["properties"]["kv_dtype"]["default"]
+    assert "kv_dtype" not in cfg["shape"] and t.shape.kv_dtype == kv_default
+    assert t.to_dict() == _with_defaults(cfg, {"properties": SCHEMA["properties"]})
+    assert t.to_dict() != cfg   # the committed configs leave some out
+    fp8 = Config.from_dict({**cfg, "shape": {**cfg["shape"], "kv_dtype": "fp8"}})
+    assert fp8.shape.kv_dtype == "fp8" and fp8.to_dict()["shape"]["kv_dtype"] == "fp8"
     assert t.seeds.calibration == cfg["seeds"]["calibration"] and t.traces["zipf"] == t.traces.zipf
     assert t.engine_sets["main"] == tuple(cfg["engine_sets"]["main"])
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -116,14 +143,18 @@ def test_a_partial_kv_fp8_section_is_named_and_a_smoke_patch_of_it_is_fine():
     from pkv.config.resolve import ConfigError, effective, load_schema, validate_config
 
     raw = yaml.safe_load(open("config.yaml"))
-    whole = {"family": "bimodal", "max_active": 8, "policy": "tensor", "engines": ["pkv-graph"]}
+    whole = {"family": "bimodal", "max_active": 8, "max_steps": 32, "policy": "tensor", "engines": ["pkv-graph"]}
     cfg = copy.deepcopy(raw)
-    cfg["ablations"]["kv_fp8"] = whole
+    cfg["ablations"]["kv_fp8"] = dict(whole)
     cfg["smoke"]["ablations"]["kv_fp8"] = {"max_steps": 4, "engines": ["reference", "pkv-graph"]}
     validate_config(cfg, load_schema())
     assert Config.from_dict(effective(cfg, "smoke")).ablations.kv_fp8.engines == ("reference", "pkv-graph")
     del cfg["ablations"]["kv_fp8"]["family"]
     with pytest.raises(ConfigError, match=r"^config: ablations\.kv_fp8\.family: missing key$"):
+        Config.from_dict(effective(cfg, "paper"))
+    # Its step count too: no fallback to measure.max_steps in code.
+    cfg["ablations"]["kv_fp8"] = {k: v for k, v in whole.items() if k != "max_steps"}
+    with pytest.raises(ConfigError, match=r"^config: ablations\.kv_fp8\.max_steps: missing key$"):
         Config.from_dict(effective(cfg, "paper"))
 
 

@@ -64,6 +64,24 @@ def coerce(value, schema: dict, root: dict | None = None):
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "config.schema.yaml"
 
 
+@cache
+def _schema_file() -> dict:
+    return read_config_file(SCHEMA_PATH)
+
+
+def schema_default(definition: str, key: str):
+    """The schema's `default:` of an optional key: `key` of the object `$defs.<definition>`
+    ("sections.shape", "trace_size"). The one place a value the config may leave out is
+    written; the typed view (pkv.config.typed) takes its field defaults from here."""
+    node = _schema_file()["$defs"]
+    for part in definition.split("."):
+        node = node[part]
+    prop = node["properties"][key]
+    if "default" not in prop:
+        raise KeyError(f"{SCHEMA_PATH}: {definition}.{key} has no default")
+    return prop["default"]
+
+
 def load_schema(path: str | Path = SCHEMA_PATH) -> dict:
     """The config schema, with the names only the code's tables know filled in: the engine
     specs and the model-step runners (pkv.engines.table) and the trace families

@@ -1,17 +1,22 @@
 """The validated config as typed, frozen dataclasses: `Config.from_dict(cfg)`.
 
-A view over the same dict the pipeline freezes to config.json (whose hash every Parquet
-file records): `to_dict()` gives that dict back unchanged, so the frozen format and every
-config hash stay as they are. What it adds is that a wrong key fails when the config is
-loaded, not in the middle of a job: a key the dataclasses do not name is refused, and so
-is a missing one, each naming its dotted path; in code, `cfg.measure.max_step` is an
-AttributeError a type checker sees. tests/test_typed_config.py checks that the fields
-cover the schema's keys exactly.
+One source of truth: workflow/schemas/config.schema.yaml holds every key, its type, its
+limits and, for a key the config may leave out, its `default:`. This module derives from
+it: a field's default is read from the schema (pkv.config.schema.schema_default), never
+written here, and tests/test_typed_config.py checks that the fields are exactly the
+schema's keys, of its types, with its defaults. The field names are written out (not
+made from the schema at import) so that `cfg.measure.max_step` is an AttributeError a
+type checker and an editor see; an optional key without a schema default is None when
+absent, and means "off" (no column mapping, no overlapped margins).
 
-Types follow workflow/schemas/config.schema.yaml, which has validated the values before
-(lists become tuples, so a Config is immutable and hashable).
+A view over the dict the pipeline freezes to config.json (whose hash every Parquet file
+records; hashes are of that dict, never of this view). A wrong key fails when the config
+is loaded, not in the middle of a job: a key the dataclasses do not name is refused, and
+so is a missing one, each naming its dotted path. `to_dict()` gives the dict back with
+the schema's defaults for keys it left out: the values the run uses.
 
-Imports nothing heavy.
+Values have been validated by the schema before (lists become tuples, so a Config is
+immutable and hashable). Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from functools import cache
 from typing import Mapping, Optional
 
 from pkv.config.errors import ConfigError
+from pkv.config.schema import schema_default
 from pkv.config.stages import external_identity
 from pkv.core.families import FAMILIES
 
@@ -36,7 +42,7 @@ class Shape:
     head_dim: int
     page_size: int
     dtype: str
-    kv_dtype: Optional[str] = None   # optional in the schema: auto (= dtype) when absent
+    kv_dtype: str = schema_default("sections.shape", "kv_dtype")
 
 
 @dataclass(frozen=True)
@@ -62,19 +68,19 @@ class Measure:
 
 @dataclass(frozen=True)
 class TraceSize:
-    """A family's SyntheticSpec fields; absent ones take SyntheticSpec's defaults."""
+    """A family's SyntheticSpec fields; an absent one takes the schema's default."""
 
-    num_requests: Optional[int] = None
-    decode_min: Optional[int] = None
-    decode_max: Optional[int] = None
-    min_len: Optional[int] = None
-    max_len: Optional[int] = None
-    mean_arrival_gap: Optional[float] = None
-    scale: Optional[float] = None
+    num_requests: int = schema_default("trace_size", "num_requests")
+    decode_min: int = schema_default("trace_size", "decode_min")
+    decode_max: int = schema_default("trace_size", "decode_max")
+    min_len: int = schema_default("trace_size", "min_len")
+    max_len: int = schema_default("trace_size", "max_len")
+    mean_arrival_gap: float = schema_default("trace_size", "mean_arrival_gap")
+    scale: float = schema_default("trace_size", "scale")
 
     def given(self) -> dict:
-        """The fields the config sets (SyntheticSpec keyword arguments)."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+        """SyntheticSpec's keyword arguments: every field, the config's value or the schema's default."""
+        return dataclasses.asdict(self)
 
 
 def _family_size(self, family: str) -> TraceSize:
@@ -117,8 +123,8 @@ class Policy:
     margins: tuple[Margin, ...]
     # Optional: the overlapped objective's margins; absent, it promotes by `margins`.
     overlapped_margins: Optional[tuple[Margin, ...]] = None
-    # Optional: true, the calibration fits that margin instead (pkv.measure.overlapped_margin).
-    fit_overlapped_margin: Optional[bool] = None
+    # True: the calibration fits that margin instead (pkv.measure.overlapped_margin).
+    fit_overlapped_margin: bool = schema_default("sections.policy", "fit_overlapped_margin")
 
     def __post_init__(self) -> None:
         if self.fit_overlapped_margin and self.overlapped_margins is not None:
@@ -167,9 +173,9 @@ class Ablation:
 class KvFp8:
     family: str
     max_active: int
+    max_steps: int
     policy: str
     engines: tuple[str, ...]
-    max_steps: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -234,17 +240,15 @@ class NsightCapture:
 
 @dataclass(frozen=True)
 class ModelStep:
-    """The model-level step (pkv measure model-step); an absent key takes its profile's
-    default (pkv.measure.model_plan.PROFILE_DEFAULTS), so a config without the section
-    runs what the stage ran before it had one."""
+    """The model-level step (pkv measure model-step, pkv.measure.model_plan)."""
 
-    shapes: Optional[tuple[str, ...]] = None
-    buckets: Optional[tuple[int, ...]] = None
-    families: Optional[tuple[str, ...]] = None
-    steps: Optional[int] = None
-    engines: Optional[tuple[str, ...]] = None
-    repeats: Optional[int] = None
-    kv_dtypes: Optional[tuple[str, ...]] = None
+    shapes: tuple[str, ...]
+    buckets: tuple[int, ...]
+    families: tuple[str, ...]
+    steps: int
+    engines: tuple[str, ...]
+    repeats: int
+    kv_dtypes: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -268,7 +272,7 @@ class Config:
     mlp_proxy: MlpProxy
     external: External
     nsight_capture: NsightCapture
-    model_step: Optional[ModelStep] = None   # optional: the profile's defaults when absent
+    model_step: ModelStep
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> "Config":
@@ -282,7 +286,8 @@ class Config:
         return cfg if isinstance(cfg, Config) else cls.from_dict(cfg)
 
     def to_dict(self) -> dict:
-        """The dict this view was made from (lists as lists, absent optional keys absent)."""
+        """The dict this view was made from, with the schema's defaults for keys it left out
+        (lists as lists; an optional key without a default absent when absent)."""
         return _plain(self)
 
 

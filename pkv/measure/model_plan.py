@@ -1,5 +1,5 @@
 """What one model-step job measures (pkv measure model-step / model-step-external): its
-settings from the config's optional `model_step` section, its traces and steps, the batch
+settings from the config's `model_step` section, its traces and steps, the batch
 buckets, and the per-layer KV caches sized from the pages the measured steps read.
 
 Memory (docs/graph-decode.md, "Memory"): every layer has its own KV tensor, so a shape's
@@ -10,7 +10,7 @@ the job's measured steps read (`pkv.core.paging.compact`), not every page the wh
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -21,16 +21,6 @@ from pkv.core.shape import Shape
 from pkv.core.traces import Trace
 from pkv.engines.model import CPU_ENGINES, GPU_ENGINES, MODEL_SHAPES, ModelShape
 from pkv.engines.table import runners
-
-# The section's defaults per profile: a config without `model_step` (or without one of
-# its keys) runs these. Paper: today's shapes (llama-1b, llama-8b) and the 70B-like GQA-8
-# shape, the buckets serving engines capture, FlashInfer's two practices and the router.
-PROFILE_DEFAULTS = {
-    "paper": ModelStep(shapes=("llama-1b", "llama-8b", "llama-70b"), buckets=(1, 8, 32), families=("bimodal", "zipf"),
-                       steps=16, engines=GPU_ENGINES, repeats=2, kv_dtypes=("auto", "fp8")),
-    "smoke": ModelStep(shapes=("smoke", "smoke-gqa8"), buckets=(1, 4), families=("bimodal",), steps=4,
-                       engines=CPU_ENGINES, repeats=1, kv_dtypes=("auto", "fp8")),
-}
 
 
 @dataclass(frozen=True)
@@ -60,11 +50,9 @@ class ModelStepPlan:
 
 
 def settings(cfg: Config) -> ModelStep:
-    """The config's model_step section with every absent key at its profile's default."""
-    base = PROFILE_DEFAULTS["smoke" if cfg.profile == "smoke" else "paper"]
-    given = cfg.model_step or ModelStep()
-    return replace(base, **{f.name: getattr(given, f.name) for f in fields(ModelStep)
-                            if getattr(given, f.name) is not None})
+    """The config's model_step section (required: config.yaml names every key, its `smoke:`
+    section what the smoke profile runs instead)."""
+    return cfg.model_step
 
 
 def build_plan(cfg: Config, traces: list[TraceJob], constants=None,

@@ -22,6 +22,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 
+from pkv.config.typed import Config
 from pkv.engines import table
 
 # The FlashInfer variants the pipeline's stages construct: the decode wrappers at every
@@ -49,7 +50,7 @@ def shaped_variants(cfg: dict, sweep: tuple[Shaped, ...] = ()) -> list[Shaped]:
     s = cfg["shape"]
     dtype, d, page = s["dtype"], int(s["head_dim"]), int(s["page_size"])
     group = int(s["num_qo_heads"]) // int(s["num_kv_heads"])
-    out = [(d, dtype, kv, group, page) for kv in (s.get("kv_dtype", "auto"), "auto", "fp8")]
+    out = [(d, dtype, kv, group, page) for kv in (Config.of(cfg).shape.kv_dtype, "auto", "fp8")]
     out += list(sweep)
     gqa = cfg.get("ablations", {}).get("gqa_sweep", {})
     out += [(d, dtype, "auto", int(g), page) for g in gqa.get("groups", [])]
@@ -62,9 +63,8 @@ def shaped_variants(cfg: dict, sweep: tuple[Shaped, ...] = ()) -> list[Shaped]:
 
 def variants(cfg: dict, sweep: tuple[Shaped, ...] = ()) -> list[Variant]:
     """The variants to build for a resolved config (and the kernel sweep's shapes), ours first."""
-    shape = cfg["shape"]
-    dtype, head_dim = shape["dtype"], int(shape["head_dim"])
-    kv = shape.get("kv_dtype", "auto")
+    shape = Config.of(cfg).shape
+    dtype, head_dim, kv = shape.dtype, shape.head_dim, shape.kv_dtype
     g, p = BUILD_GROUP, BUILD_PAGE
     out = [(table.PKV_KERNEL, head_dim, dtype, kv, g, p)]          # our one extension serves every shape
     for d, kv_dtype in dict.fromkeys([*((d, "auto") for d in sorted({head_dim, *SWEEP_HEAD_DIMS})),

@@ -37,7 +37,8 @@ ENGINES = ["pkv-graph", "flashinfer-graph", "flashinfer-eager"]
 
 
 def plan(shape: runners.ModelShape, kv_dtypes, engines=ENGINES, constants=None) -> mp.ModelStepPlan:
-    raw = {**RAW, "model_step": {"buckets": [1, 8, 32], "steps": 3, "engines": engines, "kv_dtypes": kv_dtypes}}
+    section = {**RAW["model_step"], "buckets": [1, 8, 32], "steps": 3, "engines": engines, "kv_dtypes": kv_dtypes}
+    raw = {**RAW, "model_step": section}
     cfg = Config.from_dict(effective(raw, "paper"))
     seed = cfg.seeds.heldout[0]
     jobs = [mp.TraceJob(t.name, f, seed, t) for f in ("homogeneous", "bimodal") for t in (ms.synthetic_trace(cfg, f, seed),)]

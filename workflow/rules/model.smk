@@ -3,10 +3,9 @@
 # DecodeWrapper) against FlashInfer's CUDA-graph path (plan() on the host every step),
 # FlashInfer eager and the adaptive route, on the 16-bit and the FP8 cache. One job for every
 # held-out seed in one process over the synthetic families, one for the external trace. Shapes,
-# buckets, families, steps, engines, repeats and KV dtypes: the config's optional
-# `model_step` section (pkv.measure.model_plan.PROFILE_DEFAULTS where absent); the section
-# puts its table and figure in `all` (pkv.report.spec), else they are named targets. See
-# docs/graph-decode.md.
+# buckets, families, steps, engines, repeats and KV dtypes: the config's required
+# `model_step` section (pkv.measure.model_plan), which puts its table and figure in `all`
+# (pkv.report.spec). See docs/graph-decode.md.
 
 from pkv.config.stages import STAGES, external_identity
 
