@@ -56,14 +56,14 @@ def test_lists_derive_from_the_table():
     assert table.fp8_kernels() == ("pkv-graph", "flashinfer", "flashinfer-tc", "flashinfer-xqa")
     assert table.is_router("adaptive:objective=overlapped") and not table.is_router("flashinfer-graph")
     # The model-step runners: the sets the measurement and the report read, as they were.
-    assert table.runners() == ("pkv-graph", "flashinfer-graph", "flashinfer-xqa-graph", "flashinfer-eager", "adaptive",
-                               "reference")
-    assert table.runners("gpu") == ("pkv-graph", "flashinfer-graph", "flashinfer-xqa-graph", "flashinfer-eager",
-                                    "adaptive")
+    assert table.runners() == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive", "reference",
+                               "flashinfer-xqa-graph")
+    assert table.runners("gpu") == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "adaptive",
+                                    "flashinfer-xqa-graph")
     assert table.runners("cpu") == ("pkv-graph", "reference")
-    assert table.runners("fp8") == ("pkv-graph", "flashinfer-graph", "flashinfer-xqa-graph", "flashinfer-eager",
-                                    "reference")
-    assert table.runners("ratio_base") == ("flashinfer-graph", "flashinfer-xqa-graph", "reference")
+    assert table.runners("fp8") == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "reference",
+                                    "flashinfer-xqa-graph")
+    assert table.runners("ratio_base") == ("flashinfer-graph", "reference", "flashinfer-xqa-graph")
     assert table.runners("check_base") == ("flashinfer-eager", "reference")
     assert table.runners("routed") == ("adaptive",)
 
