@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_COUNTER_STRIDE, MAX_PIECE_COST, MAX_SPIN_NS,
-                                      MERGE_SLICES, PIECE_COST)
 from pkv.engines import graph, persistent
+from pkv.plan.device_schedule import (
+    CTA_MERGE_STATES,
+    GRAPH_MAX_ROWS,
+    MAX_COUNTER_STRIDE,
+    MAX_PIECE_COST,
+    MAX_SPIN_NS,
+    MERGE_SLICES,
+    PIECE_COST,
+)
 from pkv.plan.schedule import TILE_TOKENS
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"

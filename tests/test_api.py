@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from api_cases import in_layout, make_case
 from pkv.api import LAYOUTS, DecodeWrapper, decode, make_workspace
 from pkv.api.op import paged_decode
 from pkv.core.fp8 import quantize
 from pkv.kernels.reference import attention_reference
-from api_cases import in_layout, make_case
 
 REPO = Path(__file__).resolve().parents[1]
 LENS = [1, 17, 0, 300, 1500]   # direct rows, a padding row, rows the oracle splits over CTAs and merges

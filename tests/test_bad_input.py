@@ -30,11 +30,18 @@ import pytest
 import yaml
 
 from pkv.config.jobs import STAGE_FILES, stage_files
-from pkv.config.resolve import (ConfigError, check_config, config_hash, effective, load_config, load_schema,
-                                read_config_file, validate_config)
+from pkv.config.resolve import (
+    ConfigError,
+    check_config,
+    config_hash,
+    effective,
+    load_config,
+    load_schema,
+    read_config_file,
+    validate_config,
+)
 from pkv.config.seeds import check_seed
 from pkv.core import io
-from pkv.core.io import write_parquet
 from pkv.core.trace_files import TraceFileError, load_trace
 from pkv.core.traces import MAX_LEN, MAX_REQUESTS, SyntheticSpec
 from pkv.report.tables import ReportError, build_report, load

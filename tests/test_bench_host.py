@@ -6,12 +6,12 @@ import json
 import pandas as pd
 import yaml
 
-from pkv.core import io
 from pkv.bench.host import nearest_point
-from pkv.report.host import markdown
 from pkv.cli.main import main
-from pkv.plan.costmodel import Constants
 from pkv.config.resolve import effective, write_config
+from pkv.core import io
+from pkv.plan.costmodel import Constants
+from pkv.report.host import markdown
 
 
 def _constants(path):

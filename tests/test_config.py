@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pkv.core.io import write_parquet
 from pkv.config.resolve import ConfigError, check_config, coerce, config_hash, effective, load_config
+from pkv.core.io import write_parquet
 from worktree import REPO, copy_worktree
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]

@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import pkv
 from pkv.cli.main import COMMANDS, build_parser

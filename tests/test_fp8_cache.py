@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine
 from pkv.core.fp8 import E4M3, E4M3_MAX, E4M3_STEP, POLICIES, KvScales, dequantize, quantize, write_pages
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
-from pkv.kernels.reference import attention_reference
 from pkv.core.shape import Shape
+from pkv.engines import make_engine
+from pkv.kernels.reference import attention_reference
 
 
 def kv(seed=0, pages=6, heads=2, page=16, d=32, scale=1.0):
@@ -209,9 +209,9 @@ def test_kv_fp8_stage_on_the_cpu(tmp_path):
 
     import yaml
 
-    from pkv.plan.costmodel import Constants
     from pkv.config.resolve import effective
     from pkv.measure.stages import kv_fp8
+    from pkv.plan.costmodel import Constants
 
     cfg = effective(yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text()), "smoke")
     k = Constants("cpu", 1e9, 1e-6, 8, 1.0, {"flashinfer": 4.0, "flashinfer-tc": 4.0}, ((1024, 1.05),), (4,), 1, 4)

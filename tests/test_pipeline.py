@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pkv.config.resolve import SMOKE_BANNER, config_hash, effective
 from pkv.core.io import PROVENANCE_KEYS, file_hash, read_meta
 from pkv.measure.loop import COLUMNS
 from pkv.measure.model_step import COLUMNS as MODEL_STEP_COLUMNS
-from pkv.config.resolve import SMOKE_BANNER, config_hash, effective
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
 from pkv.report.tables import targets
 from worktree import copy_worktree

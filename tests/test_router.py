@@ -10,25 +10,34 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
-from pkv.core.cache import PagedCache
-from pkv.measure.calibrate import FIT_C_MIN, fit_constants, fit_device_terms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkv.plan.costmodel import (Constants, Router, RouteCost, baseline_cost, bucket_cost, bucket_counts, choose,
-                                eligible, estimate, workqueue_cost, workqueue_counts)
-from pkv.plan.schedule import bucket_schedule, workqueue_schedule
+from pkv.config.resolve import load_config, point_key, shape_of
+from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.core.shape import Shape
 from pkv.engines import make_engine
 from pkv.engines.common import PinnedStaging
-from pkv.core.harness import StepState
+from pkv.measure.calibrate import FIT_C_MIN, fit_constants, fit_device_terms
 from pkv.measure.loop import Job, Tolerance, measure
-from pkv.measure.timing import Timer
-from pkv.config.resolve import load_config, point_key, shape_of
 from pkv.measure.stages import steps_of, synthetic_trace
-from pkv.core.paging import assign_pages
-from pkv.plan.schedule import SplitPolicy
-from pkv.core.shape import Shape
+from pkv.measure.timing import Timer
+from pkv.plan.costmodel import (
+    Constants,
+    RouteCost,
+    Router,
+    baseline_cost,
+    bucket_cost,
+    bucket_counts,
+    choose,
+    eligible,
+    estimate,
+    workqueue_cost,
+    workqueue_counts,
+)
+from pkv.plan.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "calibration" / "constants.json"

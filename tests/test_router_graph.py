@@ -26,8 +26,18 @@ from pkv.engines import make_engine, table
 from pkv.engines.graph import GraphEngine
 from pkv.measure.calibrate import fit_constants, fit_device_terms, fit_graph, operating_points
 from pkv.measure.stages import build_engine, steps_of, synthetic_trace
-from pkv.plan.costmodel import (GRAPH, OBJECTIVES, Constants, GraphFit, RouteCost, Router, choose, estimate,
-                                graph_cost, graph_counts)
+from pkv.plan.costmodel import (
+    GRAPH,
+    OBJECTIVES,
+    Constants,
+    GraphFit,
+    RouteCost,
+    Router,
+    choose,
+    estimate,
+    graph_cost,
+    graph_counts,
+)
 from pkv.plan.device_schedule import graph_pieces
 from pkv.plan.schedule import SplitPolicy, slot_bytes
 from router_constants import cpu_constants, fake_measure

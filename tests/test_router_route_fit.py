@@ -19,8 +19,7 @@ import pytest
 from pkv.config.resolve import load_config, shape_of
 from pkv.core.shape import Shape
 from pkv.measure.calibrate import fit_constants, fit_device_terms, fit_host_s, fit_route, operating_points
-from pkv.plan.costmodel import (OBJECTIVES, Constants, RouteCost, RouteFit, Router, bucket_cost, estimate,
-                                workqueue_cost)
+from pkv.plan.costmodel import OBJECTIVES, Constants, RouteCost, RouteFit, Router, bucket_cost, estimate, workqueue_cost
 from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, num_tiles
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,8 +3,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkv.plan.schedule import (TILE_TOKENS, SplitPolicy, bucket_schedule, masked_schedule, split_bounds, workqueue_schedule)
 from pkv.core.shape import Shape
+from pkv.plan.schedule import (
+    TILE_TOKENS,
+    SplitPolicy,
+    bucket_schedule,
+    masked_schedule,
+    split_bounds,
+    workqueue_schedule,
+)
 
 lens_strategy = st.lists(st.integers(1, 5000), min_size=1, max_size=10).map(np.array)
 

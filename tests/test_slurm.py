@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from worktree import copy_worktree
 
 REPO = Path(__file__).resolve().parents[1]

@@ -19,14 +19,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.core import io
-from pkv.engines import make_engine, table
-from pkv.core.harness import StepState
-from pkv.plan.schedule import SplitPolicy
 from pkv.bench.cases import BENCH_SEED, Case, build_caches
 from pkv.bench.roofline import read_roofline
+from pkv.core import io
+from pkv.core.harness import StepState
 from pkv.core.units import K
+from pkv.engines import make_engine, table
 from pkv.measure.timing import HostClock, events_us, graph_us_per_call
+from pkv.plan.schedule import SplitPolicy
 
 PKV_ENGINES = table.names("pkv")
 BASELINES = (*table.flashinfer(), *table.names("sdpa"))

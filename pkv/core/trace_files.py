@@ -40,8 +40,15 @@ from typing import Iterable
 
 import numpy as np
 
-from pkv.core.json_strict import (MAX_DIGITS, MAX_JSON_DEPTH, DuplicateKey, JsonLongInt, JsonNumber, TooDeep,
-                                  strict_loads)
+from pkv.core.json_strict import (
+    MAX_DIGITS,
+    MAX_JSON_DEPTH,
+    DuplicateKey,
+    JsonLongInt,
+    JsonNumber,
+    TooDeep,
+    strict_loads,
+)
 from pkv.core.traces import MAX_ARRIVAL_STEP, MAX_LEN, MAX_REQUESTS, Trace, Transform, _trace, apply_transform
 
 

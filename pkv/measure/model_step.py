@@ -55,8 +55,18 @@ from pkv.core.paging import PageAssignment
 from pkv.core.shape import Shape
 from pkv.engines import table
 from pkv.engines.model import DecoderModel, Runner, step_input
-from pkv.measure.model_plan import (ModelStepPlan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps,
-                                    fitted, kv_bytes, settings, spread_steps)
+from pkv.measure.model_plan import (
+    ModelStepPlan,
+    TraceJob,
+    adaptive_point,
+    bucket_of,
+    build_plan,
+    first_steps,
+    fitted,
+    kv_bytes,
+    settings,
+    spread_steps,
+)
 from pkv.measure.model_runners import build_runners
 from pkv.measure.stages import external_trace, layer_assignment, layer_caches, synthetic_trace
 from pkv.measure.timing import StepClock

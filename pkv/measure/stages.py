@@ -16,19 +16,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.core.cache import PagedCache
-from pkv.plan.costmodel import Constants
-from pkv.engines import make_engine, table
-from pkv.engines.base import Engine
-from pkv.core.harness import StepState, decode_steps
-from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
+from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState, decode_steps
 from pkv.core.paging import PageAssignment, assign_pages, compact
-from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
 from pkv.core.trace_files import columns, load_trace
 from pkv.core.traces import SyntheticSpec, Trace, Transform, synthetic
+from pkv.engines import make_engine, table
+from pkv.engines.base import Engine
+from pkv.measure.loop import Job, Tolerance, measure
+from pkv.plan.costmodel import Constants
+from pkv.plan.schedule import SplitPolicy
 
 Result = tuple[pd.DataFrame, dict]
 

@@ -67,10 +67,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
-from pkv.plan.schedule import (TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, workqueue_row_splits)
 from pkv.core.shape import Shape
-
+from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
+from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, workqueue_row_splits
 
 OBJECTIVES = ("serial", "overlapped")   # the words of pkv.engines.table.ENUM_OPTIONS["objective"]
 GRAPH = "graph"                          # pkv-graph's route key (pkv.engines.table.pkv_routes)

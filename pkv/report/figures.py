@@ -14,14 +14,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
 
-from pkv.report import ratios as rep  # noqa: E402
 from pkv.config.resolve import SMOKE_BANNER  # noqa: E402
 from pkv.core.units import K  # noqa: E402
 from pkv.engines import table  # noqa: E402
+from pkv.report import ratios as rep  # noqa: E402
 from pkv.report.spec import FIGURE_SPECS  # noqa: E402
 
 TIMING_LABELS = {"wall": "wall (synchronized step)", "cuda": "CUDA events", "graph": "CUDA-graph replay"}

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+
 import pandas as pd
 
 from pkv.core import io

@@ -28,10 +28,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 from tabulate import tabulate
 
-from pkv.report.notes import provenance_of
-from pkv.core.io import atomic_write_bytes, atomic_write_text, read_meta
 from pkv.config.resolve import SMOKE_BANNER
+from pkv.core.io import atomic_write_bytes, atomic_write_text, read_meta
 from pkv.engines.table import RUNNERS, runners
+from pkv.report.notes import provenance_of
 from pkv.report.ratios import mean_sd, modal_route, num
 
 STAGE = "model_step"

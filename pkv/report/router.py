@@ -40,13 +40,13 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
+from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.engines.table import PKV_KERNEL, ROUTER, baselines, pkv_engines, pkv_routes
 from pkv.plan.costmodel import GRAPH, Constants, RouteCost, estimate  # noqa: E402
-from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
-from pkv.report.notes import provenance_line  # noqa: E402
-from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
-from pkv.report.ratios import modal_route, num, objective, routers, trace_label, trace_order  # noqa: E402
 from pkv.report.load import load  # noqa: E402
+from pkv.report.notes import provenance_line  # noqa: E402
+from pkv.report.ratios import modal_route, num, objective, routers, trace_label, trace_order  # noqa: E402
 
 WALL_BAR, DEVICE_BAR = 0.97, 0.95
 OVERLAPPED_BAR = 0.97      # the overlapped objective's device ratio (its wall ratio has no bar)

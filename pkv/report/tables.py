@@ -24,19 +24,32 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from pkv.engines import table
+from pkv.config.resolve import SMOKE_BANNER
 from pkv.core.io import atomic_write_many
 from pkv.core.units import K
-from pkv.config.resolve import SMOKE_BANNER
+from pkv.engines import table
 from pkv.measure.nsight import table5
-from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, base_path, baselines, mean_sd, modal_route,  # noqa: F401
-                        names_path, num, ratios, router_label, routers, throughputs, trace_label, trace_order)
-# What the report reads and refuses (names re-exported for the modules that import them here).
-from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, frozen, load, missing_seeds,  # noqa: F401
-                             seeds_cell)
-from pkv.report.notes import missing_note, provenance_line, ran_line  # noqa: F401 (compare reads missing_note here)
-from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
+# What the report reads and refuses (names re-exported for the modules that import them here).
+from pkv.report.load import MissingStage, Raw, ReportError, check_folder, frozen, load, missing_seeds, seeds_cell  # noqa: F401
+from pkv.report.notes import missing_note, provenance_line, ran_line  # noqa: F401 (compare reads missing_note here)
+from pkv.report.ratios import (  # noqa: F401
+    FAMILY_ORDER,
+    TIMINGS,
+    base_path,
+    baselines,
+    mean_sd,
+    modal_route,
+    names_path,
+    num,
+    ratios,
+    router_label,
+    routers,
+    throughputs,
+    trace_label,
+    trace_order,
+)
+from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
 
 # ---------------------------------------------------------------- formatting
 

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.core.shape import Shape
 from pkv.core.units import K
+from pkv.engines import make_engine
 from test_kernels import check, make_case, reference, seed_of
 
 pytestmark = [
