@@ -69,7 +69,7 @@ def test_command_table_agrees_with_the_modules():
     full = build_parser()
     sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
     assert set(sub.choices) == set(COMMANDS)
-    for name, (module, _) in COMMANDS.items():
+    for name in COMMANDS:
         alone = build_parser(name)
         alone_sub = next(a for a in alone._actions if isinstance(a, argparse._SubParsersAction))
         assert alone_sub.choices[name].format_help() == sub.choices[name].format_help(), name

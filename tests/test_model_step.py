@@ -287,14 +287,12 @@ def test_a_smaller_card_simulates_the_model_with_the_layers_that_fit():
         fit = mp.fitted(shape, s, pages[name], h100)
         assert 1 <= fit.layers < shape.layers and fit.of_layers == (shape.of_layers or shape.layers)
         assert (fit.hidden, fit.mlp, fit.name) == (shape.hidden, shape.mlp, shape.name)
-
-        def need(layers):
-            return (layers * (fit.layer_weight_bytes(2) + mp.kv_bytes(s, pages[name], 1))
-                    + 2 * mp.kv_bytes(s, pages[name], 1) + mp.RESERVE_BYTES)
-
-        assert need(fit.layers) <= h100 < need(fit.layers + 1)
+        # n layers need n * per_layer (weights, KV) + fixed (the FP32 draw of the layer being made, the reserve).
+        per_layer = fit.layer_weight_bytes(2) + mp.kv_bytes(s, pages[name], 1)
+        fixed = 2 * mp.kv_bytes(s, pages[name], 1) + mp.RESERVE_BYTES
+        assert fit.layers * per_layer + fixed <= h100 < (fit.layers + 1) * per_layer + fixed
         with pytest.raises(MemoryError, match=rf"{name}: one layer of {pages[name]} KV pages needs .* GiB is free"):
-            mp.fitted(shape, s, pages[name], need(1) - 1)
+            mp.fitted(shape, s, pages[name], per_layer + fixed - 1)
     small = runners.MODEL_SHAPES["smoke"]
     assert mp.fitted(small, small.attention(4, "float16"), 10 ** 9, None) is small    # the CPU: no limit
 

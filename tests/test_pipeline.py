@@ -105,14 +105,18 @@ def test_paper_fan_out_on_any_machine(tree):
     # One serving job per engine set, over every point and held-out seed in one process.
     serve = [(w, s) for r, w, s in jobs if r == "serve_trace"]
     assert {w["engine_set"] for w, _ in serve} == set(CONFIG["engine_sets"]) and len(serve) == len(CONFIG["engine_sets"])
+
+    def values(args, flag):
+        """The arguments after `flag`, up to the next flag."""
+        return list(itertools.takewhile(lambda a: not a.startswith("--"), args[args.index(flag) + 1:]))
+
     for w, shell in serve:
         args = shlex.split(shell.split(" > ")[0])
-        values = lambda flag: list(itertools.takewhile(lambda a: not a.startswith("--"),  # noqa: E731
-                                                       args[args.index(flag) + 1:]))
-        jobs_run = list(zip(values("--family"), map(int, values("--max-active")), map(int, values("--seed"))))
+        jobs_run = list(zip(values(args, "--family"), map(int, values(args, "--max-active")),
+                            map(int, values(args, "--seed"))))
         assert jobs_run == [(p["family"], p["max_active"], s) for p in CONFIG["serving"] for s in HELDOUT]
-        assert [Path(o).name for o in values("--out")] == [f"{f}-b{b}-s{s}-{w['engine_set']}.parquet"
-                                                           for f, b, s in jobs_run]
+        assert [Path(o).name for o in values(args, "--out")] == [
+            f"{f}-b{b}-s{s}-{w['engine_set']}.parquet" for f, b, s in jobs_run]
     # No held-out seed feeds calibration: it reads only the frozen config and runs the
     # calibration seed; every measuring job reads the frozen constants (but the kernel
     # benchmark, which routes nothing: it times fixed engines on fixed shapes).

@@ -376,7 +376,10 @@ def _k_report(fit):
                      4, graph=fit)
 
 
-def _cache(shape=Shape(8, 2, 16, 4, "float16"), lens=(301, 77, 150, 40, 40, 40, 40, 40)):
+_SHAPE = Shape(8, 2, 16, 4, "float16")
+
+
+def _cache(shape=_SHAPE, lens=(301, 77, 150, 40, 40, 40, 40, 40)):
     a = assign_pages(np.array(lens), shape.page_size, 0.5, seed=3)
     return PagedCache.random(shape, a, "cpu", seed=3)
 

@@ -31,7 +31,7 @@ def ranges_by_segment(launch, num_kv_heads):
 def assert_tiles_cover(ranges, length):
     """Non-empty ranges are tile-aligned, ordered and cover [0, length) exactly once."""
     assert ranges[0][0] == 0 and ranges[-1][1] == length
-    for (b0, e0), (b1, _) in zip(ranges, ranges[1:]):
+    for (_, e0), (b1, _) in zip(ranges, ranges[1:]):
         assert e0 == b1 and e0 % TILE_TOKENS == 0
 
 
@@ -77,9 +77,9 @@ def test_split_bounds_rule(bound, splits):
 def test_bucket_is_one_grid_per_distinct_length_longest_first():
     lens = np.array([300, 40, 300, 1000, 40])
     s = bucket_schedule(lens, 2, SplitPolicy(4, 1))
-    assert [l.rows.tolist() for l in s.launches] == [[3], [0, 2], [1, 4]]
-    assert all(l.kind == "grid" for l in s.launches)
-    assert [l.splits for l in s.launches] == [4, 4, 2]  # 40 tokens = 2 tiles: at most 2 splits
+    assert [launch.rows.tolist() for launch in s.launches] == [[3], [0, 2], [1, 4]]
+    assert all(launch.kind == "grid" for launch in s.launches)
+    assert [launch.splits for launch in s.launches] == [4, 4, 2]  # 40 tokens = 2 tiles: at most 2 splits
     assert s.launches[1].num_tasks == 2 * 2 * 4
 
 

@@ -68,7 +68,7 @@ def _number(raw: str) -> float:
 
 def parse_ncu_csv(path: str | Path) -> pd.DataFrame:
     path = Path(path)
-    lines = [l for l in path.read_text().splitlines() if l.strip() and not l.startswith("==")]
+    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("==")]
     if not lines:
         raise NcuCsvError(f"{path}: no CSV rows (did ncu capture any kernel that matched its filter?)")
     reader = csv.DictReader(io.StringIO("\n".join(lines)))

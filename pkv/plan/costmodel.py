@@ -384,8 +384,8 @@ def workqueue_counts(lens, policy: SplitPolicy) -> tuple[int, int, int, int]:
         longest_task = int(np.minimum(-(-tiles // splits) * TILE_TOKENS, lens).max())
     else:
         tasks, most = sum(splits), max(splits)
-        # task_tokens, inlined
-        longest_task = max([min(-(-(-(-n // TILE_TOKENS)) // s) * TILE_TOKENS, n) for n, s in zip(lens, splits)])
+        # task_tokens, inlined: ceil(ceil(n / TILE_TOKENS) / s) tiles is ceil(n / (TILE_TOKENS * s)) tiles
+        longest_task = max([min(-(-n // (TILE_TOKENS * s)) * TILE_TOKENS, n) for n, s in zip(lens, splits)])
     merging = most > 1
     return tasks, 1 + merging, tasks if merging else 0, longest_task
 

@@ -255,7 +255,7 @@ def t_nsight(raw: Raw) -> pd.DataFrame:
     t = table5(raw.frame, float(raw.frame["roofline_gbps"].iloc[0]))
     for col, fmt in (("Time ms", ".4f"), ("SM thr. %", ".2f"), ("Mem. thr. %", ".2f"), ("DRAM GB/s", ".1f"),
                      ("DRAM / roofline", ".3f"), ("L2 hit %", ".2f")):
-        t[col] = t[col].map(lambda v: num(v, fmt))
+        t[col] = t[col].map(lambda v, fmt=fmt: num(v, fmt))
     return t.astype(str)
 
 

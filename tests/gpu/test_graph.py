@@ -125,7 +125,7 @@ def test_in_grid_merge_counter_options(counter_stride, spin_ns):
     cache, step, q = make_case([int(rng.integers(16 * K, 40 * K)), 70, int(rng.integers(1, 3 * K))], num_kv_heads=4,
                                seed=seed)
     engine = make_engine("pkv-graph", cache, counter_stride=counter_stride, spin_ns=spin_ns)
-    for rep in range(2):   # the second launch finds the counters the first rearmed
+    for _ in range(2):   # the second launch finds the counters the first rearmed
         check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"counters {counter_stride} {spin_ns}")
     assert int(engine.counters.abs().sum()) == 0
 
