@@ -264,7 +264,8 @@ def run_trace(args, cases, engines, command: str) -> int:
                 f"{k}={row[k]:.2f}" for k in ("graph_us_trace_build", "span", "decode_span", "start_skew", "scan",
                                                "lengths_rt", "scan_math", "cut", "bt", "setup", "bt_rt", "issue",
                                                "first_kv", "steady", "drain_state", "v4_merge",
-                                               "merge_release_after_decode", "merge_work", "merge_end", "clock_ghz_measured")
+                                               "merge_release_after_decode", "merge_work", "merge_end",
+                                               "clock_ghz_measured")
                 if k in row),
                   flush=True)
             del es, calls, graph

@@ -163,7 +163,8 @@ def markdown(frame: pd.DataFrame, meta: dict, probes: dict[str, float], command:
         if r.error:
             lines.append(f"| {case} | {r.engine} | | failed: {r.error[:80]} | | | | |")
             continue
-        lines.append(f"| {case} | {r.engine} | {int(r.splits) if r.splits else ''} | {r.graph_us:.1f} | {r.events_us:.1f} | "
+        lines.append(f"| {case} | {r.engine} | {int(r.splits) if r.splits else ''} | {r.graph_us:.1f} | "
+                     f"{r.events_us:.1f} | "
                      f"{r.achieved_gbps:.0f} | {100 * r.frac_of_roofline:.1f} | {r.wall_us:.0f} |")
     return "\n".join(lines) + "\n"
 

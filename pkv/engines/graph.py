@@ -143,7 +143,8 @@ class GraphEngine(Engine):
         out = torch.empty_like(q)
         if self.gpu:
             r, sc = plan.rows, c.scales     # FP8: the layer's scales, read per call
-            scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale, "v_scale": sc.v_scale}
+            scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale,
+                                            "v_scale": sc.v_scale}
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
                                   piece_cost=self.piece_cost, counter_stride=self.counter_stride, spin_ns=self.spin_ns)

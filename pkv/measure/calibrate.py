@@ -205,7 +205,8 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     return float(best[1]), float(best[2])
 
 
-def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> float:
+def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int,
+                      num_kv_heads: int) -> float:
     rows = frame[frame["engine"] == baseline]
     measured = measured_s(rows)
 

@@ -210,7 +210,8 @@ class Constants:
         """Frozen split of route `kind` ("workqueue" or "bucket") at operating point `point`; an
         engine runs at the split of its row's `split_route` (pkv.engines.table)."""
         if point not in self.operating_points:
-            raise ValueError(f"no frozen operating point {point!r}; calibrated: {', '.join(sorted(self.operating_points))}")
+            raise ValueError(f"no frozen operating point {point!r}; "
+                             f"calibrated: {', '.join(sorted(self.operating_points))}")
         return int(self.operating_points[point][kind])
 
     def at(self, point: str) -> "Constants":

@@ -137,7 +137,8 @@ def _pkv(engine: str) -> bool:
     return table.persistentkv(engine)
 
 
-def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv, den_pick: Callable[[str], bool] | None = None) -> Measure:
+def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv,
+                   den_pick: Callable[[str], bool] | None = None) -> Measure:
     """Latency ratio at `context`: the fastest numerator engine over the fastest denominator
     engine (None: FlashInfer's fastest variant)."""
     def measure(d: Data):
@@ -267,12 +268,14 @@ class Claim:
     expect: object = None   # the side, route kind or tolerance a claim of that kind names
 
 
-WALL = "wall time adds each step's host work (FlashInfer's plan(), a PersistentKV route's metadata copy) to its device work"
+WALL = ("wall time adds each step's host work (FlashInfer's plan(), a PersistentKV route's metadata copy) "
+        "to its device work")
 CUDA = "CUDA events time a step's queued device work and launch gaps, not its host planning"
 ROUTE = ("the route is the cost model's pick from constants calibrated on this GPU (supported groups, minimum context "
          "and promotion margins in calibration/constants.json), not the paper's RTX 3060 gates")
 NOREG = "no regression holds whichever route the adaptive policy takes, if it keeps FlashInfer's throughput"
-ISO = "one call's device time at B1; at long context both kernels are bound by HBM reads, so the ratio is fixed cost and split efficiency"
+ISO = ("one call's device time at B1; at long context both kernels are bound by HBM reads, so the ratio is fixed "
+       "cost and split efficiency")
 
 _B8 = [("bimodal", "Bimodal B8", 1.080, "1.080±0.050", 1.106, "1.106±0.042"),
        ("uniform", "Uniform B8", 1.044, "1.044±0.022", 1.076, "1.076±0.029"),
@@ -287,7 +290,8 @@ CLAIMS: list[Claim] = [
           "ratio", isolated_ratio(65536, lambda e: e == table.the(family="sdpa"), _pkv),
           "the repack baseline copies the paged KV into contiguous tensors before attention, every call"),
     Claim("Table 1, §4.2", "PersistentKV auto split ÷ vLLM PagedAttention latency, 64K", 0.794, "0.794 (vLLM 0.6.4)",
-          "ratio", isolated_ratio(65536, _pkv, lambda e: e.startswith("vllm")), "vLLM (and TensorRT-LLM) are measured only where the isolated stage's engine set names them"),
+          "ratio", isolated_ratio(65536, _pkv, lambda e: e.startswith("vllm")),
+          "vLLM (and TensorRT-LLM) are measured only where the isolated stage's engine set names them"),
     Claim("Abstract, Table 2", "Bucketed B1 wall tok/s ratio, adaptive ÷ FlashInfer", 1.403, "1.403±0.065", "ratio",
           serve_ratio("bucketed", 1, "wall"), WALL),
     Claim("Table 2", "Bucketed B1 CUDA tok/s ratio", 1.471, "1.471±0.037", "ratio", serve_ratio("bucketed", 1, "cuda"),
@@ -323,7 +327,8 @@ CLAIMS: list[Claim] = [
     Claim("Table 4", "Bimodal B8 merge launches/step, buckets ÷ workqueue", 8.0, "8.00× (8.00 → 1.00)", "ratio",
           counters("merge_launches"), "scheduler counts: one merge per length bucket against one segmented merge"),
     Claim("Table 4", "Bimodal B8 merge MB/step, buckets ÷ workqueue", 4.06 / 2.54, "1.60× (4.06 → 2.54)", "ratio",
-          counters("merge_bytes", 1e-6), "merge traffic is the split states written, so it follows each route's frozen split"),
+          counters("merge_bytes", 1e-6),
+          "merge traffic is the split states written, so it follows each route's frozen split"),
     Claim("Table 5", "Nsight: PersistentKV decode ÷ FlashInfer decode kernel time", 1.263 / 2.271,
           "0.556 (1.263 ÷ 2.271 ms)", "ratio", nsight("Time ms", ".4f", "ms"),
           "a short profiled B8 bimodal trace; FlashInfer's side is the faster of its profiled decode kernels"),
@@ -334,10 +339,13 @@ CLAIMS: list[Claim] = [
           "1.188 (74.48 ÷ 62.72 %)", "ratio", nsight("Mem. thr. %", ".2f", "%"),
           "memory throughput is the fraction of peak DRAM traffic each decode kernel sustains"),
     *(Claim("Table 7, §4.4", f"{label}: every split near the frozen one stays wall-positive", p, t, "side",
-            split_min(fam, b), "the frozen split and its neighbours are calibrated on this GPU, so the split counts differ",
+            split_min(fam, b),
+            "the frozen split and its neighbours are calibrated on this GPU, so the split counts differ",
             "> 1")
-      for fam, b, label, p, t in (("bucketed", 1, "Bucketed B1", 1.282, "min 1.282 (1.379 / 1.516 / 1.282 at s28 / 32 / 36)"),
-                                  ("bimodal", 8, "Bimodal B8", 1.128, "min 1.128 (1.128 / 1.136 / 1.168 at s16 / 20 / 24)"))),
+      for fam, b, label, p, t in (("bucketed", 1, "Bucketed B1", 1.282,
+                                   "min 1.282 (1.379 / 1.516 / 1.282 at s28 / 32 / 36)"),
+                                  ("bimodal", 8, "Bimodal B8", 1.128,
+                                   "min 1.128 (1.128 / 1.136 / 1.168 at s16 / 20 / 24)"))),
     Claim("§4.4", "Bimodal B4, forced workqueue: no robust wall win at any split", 1.005,
           "best 1.005 at s28, per seed 0.964–1.026", "ratio", b4_best,
           "the workqueue forced on every B4 step, against FlashInfer, mean over held-out seeds"),

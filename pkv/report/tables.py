@@ -85,7 +85,8 @@ def t_serving(raw: Raw) -> pd.DataFrame:
         if steps.empty and router != table.ROUTER:
             continue
         rows.append({
-            "Trace / mode": router_label(trace_label(family, batch), router), "Selected route": modal_route(steps["route"]),
+            "Trace / mode": router_label(trace_label(family, batch), router),
+            "Selected route": modal_route(steps["route"]),
             "CUDA tok/s ratio": mean_sd(r.loc[sel, "cuda_ratio"]), "Graph ratio": mean_sd(r.loc[sel, "graph_ratio"]),
             "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
             "Wall ratio min": num(r.loc[sel, "wall_ratio"].min()),
@@ -103,7 +104,8 @@ def t_counters(raw: Raw) -> pd.DataFrame:
         sub = f[(f["family"] == family) & (f["max_active"] == batch)]
         for engine, g in sub.groupby("engine", sort=True, observed=True):
             rows.append({
-                "Trace": trace_label(family, batch), "Engine": engine, "Launches/step": num(g["launches"].mean(), ".2f"),
+                "Trace": trace_label(family, batch), "Engine": engine,
+                "Launches/step": num(g["launches"].mean(), ".2f"),
                 "Decode CTA work/SM": num(g["cta_work_per_sm"].mean(), ".1f"),
                 "Useful KV MB": num(g["total_tokens"].mean() * _kv_bytes_per_token(g) / 1e6, ".1f"),
                 "Merge MB": num(g["merge_bytes"].mean() / 1e6, ".2f"),
@@ -130,11 +132,14 @@ def t_isolated(raw: Raw) -> pd.DataFrame:
             # Auto split: the best split of the grid per context (the paper's autotuned row).
             best = g.loc[g.groupby("context")["device_s"].idxmin()].set_index("context")
             row = {"Method": f"{engine}, auto split"}
-            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} (s{int(best.loc[c, 'split'])})" for c in contexts})
+            row.update({f"{c // K}K ms" if c >= K else f"{c} ms":
+                        f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} (s{int(best.loc[c, 'split'])})"
+                        for c in contexts})
         else:
             g = g.set_index("context")
             row = {"Method": engine}
-            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": num(g.loc[c, "device_s"] * 1e3, ".4f") for c in contexts})
+            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": num(g.loc[c, "device_s"] * 1e3, ".4f")
+                        for c in contexts})
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -186,7 +191,8 @@ def t_b4_sweep(raw: Raw) -> pd.DataFrame:
     rows = []
     for split, g in r.groupby("split", sort=True):
         family, batch = g["family"].iloc[0], int(g["max_active"].iloc[0])
-        rows.append({"Split": str(int(split)), "Wall ratio": mean_sd(g["wall_ratio"]), "Wall min": num(g["wall_ratio"].min()),
+        rows.append({"Split": str(int(split)), "Wall ratio": mean_sd(g["wall_ratio"]),
+                     "Wall min": num(g["wall_ratio"].min()),
                      "Wall max": num(g["wall_ratio"].max()), "CUDA ratio": mean_sd(g["cuda_ratio"]),
                      "Graph ratio": mean_sd(g["graph_ratio"]),
                      "Seeds": seeds_cell(raw, "b4_sweep", family, batch, g["seed"].nunique())})
@@ -242,7 +248,8 @@ def t_external(raw: Raw) -> pd.DataFrame:
     rows = []
     for engine, g in r.groupby("engine", sort=True):
         steps = f[f["engine"] == engine]
-        rows.append({"Engine": engine, "Route": modal_route(steps["route"]), "CUDA tok/s ratio": num(g["cuda_ratio"].mean()),
+        rows.append({"Engine": engine, "Route": modal_route(steps["route"]),
+                     "CUDA tok/s ratio": num(g["cuda_ratio"].mean()),
                      "Wall tok/s ratio": num(g["wall_ratio"].mean()), "Max |e|": num(steps["max_abs_err"].max(), ".3e"),
                      **({"FlashInfer path (wall / CUDA)": base_path(g)} if names_path(f["engine"]) else {}),
                      "Steps": str(int(g["steps"].sum()))})
@@ -262,8 +269,10 @@ def t_nsight(raw: Raw) -> pd.DataFrame:
 def t_coverage(raw: Raw) -> pd.DataFrame:
     f = raw.frame
     rows = []
-    for stage, keys in (("serve", ["family", "max_active", "seed"]), ("gqa_sweep", ["family", "max_active", "group", "seed"]),
-                        ("mlp_proxy", ["family", "max_active", "layers", "seed"]), ("external", ["family", "max_active", "seed"])):
+    for stage, keys in (("serve", ["family", "max_active", "seed"]),
+                        ("gqa_sweep", ["family", "max_active", "group", "seed"]),
+                        ("mlp_proxy", ["family", "max_active", "layers", "seed"]),
+                        ("external", ["family", "max_active", "seed"])):
         s = f[f["stage"] == stage]
         if s.empty:
             continue
