@@ -71,7 +71,8 @@ def test_v3_group_limit():
 
 
 def test_decode_op_takes_the_launch_builder_names():
-    schema = re.search(r'm\.def\("decode\((.*?)\) -> \(\)"\);', SOURCES["binding.cpp"].replace('"\n        "', ""), re.S)
+    schema = re.search(r'm\.def\("decode\((.*?)\) -> \(\)"\);', SOURCES["binding.cpp"].replace('"\n        "', ""),
+                       re.S)
     names = [a.split()[-1] for a in schema.group(1).split(", ")]
     assert names[:7] == ["q", "kv", "block_table", "meta", "out", "partial", "counters"]
     assert names[7:] == list(persistent.KERNEL_ARGS)

@@ -60,7 +60,8 @@ def test_every_help_shows_every_default():
             option = action.option_strings[-1]
             assert action.help, (" ".join(path), option, "has no help, so argparse prints no default")
             expanded = "".join(formatter._expand_help(action).split())
-            assert f"(default:{action.default})".replace(" ", "") in expanded and expanded in text, (" ".join(path), option)
+            assert (f"(default:{action.default})".replace(" ", "") in expanded
+                    and expanded in text), (" ".join(path), option)
             checked += 1
     assert checked > 10
 

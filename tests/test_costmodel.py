@@ -230,7 +230,8 @@ def test_adaptive_routes_long_low_occupancy_steps_to_persistentkv_and_stays_exac
 def test_adaptive_respects_the_gates():
     cache = _cache()
     short = _cpu_constants(min_context=10_000)
-    assert make_engine("adaptive", cache, constants=short, point="p").prepare(_step([301, 77, 150])).route == "reference"
+    assert make_engine("adaptive", cache, constants=short, point="p").prepare(
+        _step([301, 77, 150])).route == "reference"
     g1 = _cache(Shape(8, 8, 16, 4, "float16"))
     eng = make_engine("adaptive", g1, constants=_cpu_constants(), point="p")
     assert not eng.pkv   # gated groups never build PersistentKV engines

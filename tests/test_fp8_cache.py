@@ -177,7 +177,8 @@ def test_kernel_table_pairs_points():
     for point, batch, length in (("B1 32K", 1, 32768), ("B8 32K", 8, 32768)):
         for kv_dtype, policy, engine, us in (("auto", "", "pkv-graph", 40.0), ("auto", "", "flashinfer-tc", 42.0),
                                              ("auto", "", "flashinfer", 50.0), ("fp8", "tensor", "pkv-graph", 25.0),
-                                             ("fp8", "tensor", "flashinfer-tc", 35.0), ("fp8", "page", "pkv-graph", 26.0)):
+                                             ("fp8", "tensor", "flashinfer-tc", 35.0),
+                                             ("fp8", "page", "pkv-graph", 26.0)):
             rows.append(dict(family="fp8", point=point, case=f"{point} {kv_dtype}{policy}", kv_dtype=kv_dtype,
                              fp8_policy=policy, engine=engine, graph_us=us * batch, batch=batch, max_len=length,
                              frac_of_roofline=0.8))

@@ -423,7 +423,8 @@ def test_failures_drop_an_engine_or_a_job_and_keep_the_rest(monkeypatch):
     dropped = {}
     frame = ms.run(plan, log=lambda m: None, dropped=dropped)
     assert set(frame["engine"]) == {"reference"} and set(frame["family"]) == {"bimodal"}
-    assert dropped == {"pkv-graph": "RuntimeError: capture failed", f"smoke/zipf-{SEED}": "ValueError: measurement failed"}
+    assert dropped == {"pkv-graph": "RuntimeError: capture failed",
+                       f"smoke/zipf-{SEED}": "ValueError: measurement failed"}
 
 
 # ---------------------------------------------------------------- the report on synthetic frames
@@ -442,7 +443,8 @@ def synthetic_frame(kv: bool = False) -> pd.DataFrame:
                 base.update(stage="model_step", model="llama-1b", layers=16, hidden=2048, head_dim=64,
                             num_qo_heads=32, num_kv_heads=8, mlp=8192, dtype="float16", kv_dtype=kv_dtype,
                             kv_layers=16, trace=f"bimodal-{seed}", family="bimodal", seed=seed, max_active=8,
-                            bucket=8, engine=engine, route=engine, launch="eager" if engine.endswith("eager") else "graph")
+                            bucket=8, engine=engine, route=engine,
+                            launch="eager" if engine.endswith("eager") else "graph")
                 for step in range(3):
                     rows.append({**base, "kind": "step", "step": step, "active": 8, "total_tokens": 8000 + step,
                                  "max_len": 1000, "steps": 1, "tokens": 8,

@@ -104,7 +104,8 @@ def test_paper_fan_out_on_any_machine(tree):
     assert rules.count("calibrate_device") == 1
     # One serving job per engine set, over every point and held-out seed in one process.
     serve = [(w, s) for r, w, s in jobs if r == "serve_trace"]
-    assert {w["engine_set"] for w, _ in serve} == set(CONFIG["engine_sets"]) and len(serve) == len(CONFIG["engine_sets"])
+    assert ({w["engine_set"] for w, _ in serve} == set(CONFIG["engine_sets"])
+            and len(serve) == len(CONFIG["engine_sets"]))
 
     def values(args, flag):
         """The arguments after `flag`, up to the next flag."""
@@ -269,7 +270,8 @@ def test_report_regenerates_tables_bit_for_bit(smoke):
     root = work / "results" / "smoke"
     tables = sorted((root / "tables").iterdir())
     before = {p.name: p.read_bytes() for p in tables}
-    done = subprocess.run([sys.executable, "-m", "pkv.cli", "report", str(root)], cwd=work, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "report", str(root)], cwd=work, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr
     assert {p.name: p.read_bytes() for p in sorted((root / "tables").iterdir())} == before
 
@@ -285,7 +287,8 @@ def test_failed_measurement_leaves_no_output(smoke, tmp_path):
     constants = json.loads((root / "calibration" / "constants.json").read_text())
     (tmp_path / "constants.json").write_text(json.dumps({**constants, "config_hash": config_hash(cfg)}))
     out = tmp_path / "raw" / "serve.parquet"
-    done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "serve", "--config", str(tmp_path / "config.json"),
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "serve",
+                           "--config", str(tmp_path / "config.json"),
                            "--constants", str(tmp_path / "constants.json"), "--family", "bimodal",
                            "--max-active", "8", "--seed", str(HELDOUT[0]), "--engine-set", "main", "--out", str(out)],
                           cwd=work, capture_output=True, text=True)

@@ -227,7 +227,8 @@ def test_measure_times_without_validation_and_records_route_time():
     cache = _cache()
     k = Constants("cpu", 1e9, 1e-6, 4, 1.0, {"reference": 1.0}, ((1024, 1.05),), (4,), 64, 1,
                   {"p": {"bucket": 4, "workqueue": 4}})
-    engines = {"reference": make_engine("reference", cache), "adaptive": make_engine("adaptive", cache, constants=k, point="p")}
+    engines = {"reference": make_engine("reference", cache),
+               "adaptive": make_engine("adaptive", cache, constants=k, point="p")}
     seen = []
     original = Timer.timed
 
@@ -239,7 +240,8 @@ def test_measure_times_without_validation_and_records_route_time():
     steps = [StepState(i, np.arange(3), np.array([290 + i, 67 + i, 140 + i], dtype=np.int32)) for i in range(3)]
     Timer.timed = spy
     try:
-        frame = measure(Job("t", "t", "f", 3, 0, 4), cache, steps, engines, "reference", Tolerance(2e-3, 3e-4), 1, False)
+        frame = measure(Job("t", "t", "f", 3, 0, 4), cache, steps, engines, "reference", Tolerance(2e-3, 3e-4), 1,
+                        False)
     finally:
         Timer.timed = original
     assert seen and all(seen)                  # switched back on after each timed step

@@ -150,7 +150,8 @@ def test_graph_rows_join_the_sweep_without_moving_the_other_fits():
     base = cal[(cal["engine"].isin(cfg["baselines"])) & (cal["split"] == cal["split"].min())].assign(split=0)
     both = pd.concat([cal, base, graph.reindex(columns=cal.columns)], ignore_index=True)
     assert operating_points(both) == operating_points(cal)
-    assert fit_device_terms(both, committed["beta_bytes_per_s"], 132) == fit_device_terms(cal, committed["beta_bytes_per_s"], 132)
+    assert (fit_device_terms(both, committed["beta_bytes_per_s"], 132)
+            == fit_device_terms(cal, committed["beta_bytes_per_s"], 132))
     fitted = fit_constants(committed, both, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
     assert fitted["host_s"]["graph"] == pytest.approx(6e-5)
     k = Constants.from_dict(json.loads(json.dumps(fitted)))
@@ -199,7 +200,8 @@ def test_old_constants_have_no_graph_route_and_route_as_before():
     for p in cfg["serving"]:
         point = point_key(p["family"], p["max_active"])
         kp = k.at(point)
-        policies = {kind: SplitPolicy(kp.split(point, kind), kp.min_tiles_per_split) for kind in ("bucket", "workqueue")}
+        policies = {kind: SplitPolicy(kp.split(point, kind), kp.min_tiles_per_split)
+                    for kind in ("bucket", "workqueue")}
         plain = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False)
         offered = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False, graph=(264, 4))
         assert offered.graph is None
@@ -280,7 +282,8 @@ def test_cached_decision_equals_the_uncached_one_with_the_graph_route(capsys):
         for p in cfg["serving"]:
             point = point_key(p["family"], p["max_active"])
             k = k0.at(point)
-            policies = {kind: SplitPolicy(k.split(point, kind), k.min_tiles_per_split) for kind in ("bucket", "workqueue")}
+            policies = {kind: SplitPolicy(k.split(point, kind), k.min_tiles_per_split)
+                        for kind in ("bucket", "workqueue")}
             seeds = cfg["seeds"]
             for seed in (seeds["calibration"], seeds["heldout"][0], seeds["heldout"][-1]):
                 cached = Router(shape, k, list(k.baseline_ctas_per_head), policies, objective=objective, graph=(264, 4))

@@ -39,7 +39,8 @@ def assert_tiles_cover(ranges, length):
 @given(lens=lens_strategy, h=st.integers(1, 4), splits=st.integers(1, 40), min_tiles=st.integers(1, 8))
 def test_every_schedule_covers_every_row_and_head_exactly_once(lens, h, splits, min_tiles):
     policy = SplitPolicy(splits, min_tiles)
-    for schedule in (bucket_schedule(lens, h, policy), masked_schedule(lens, h, policy), workqueue_schedule(lens, h, policy)):
+    for schedule in (bucket_schedule(lens, h, policy), masked_schedule(lens, h, policy),
+                     workqueue_schedule(lens, h, policy)):
         covered = {}
         for launch in schedule.launches:
             covered.update(ranges_by_segment(launch, h))

@@ -40,7 +40,8 @@ def plan(shape: runners.ModelShape, kv_dtypes, engines=ENGINES, constants=None) 
     raw = {**RAW, "model_step": {"buckets": [1, 8, 32], "steps": 3, "engines": engines, "kv_dtypes": kv_dtypes}}
     cfg = Config.from_dict(effective(raw, "paper"))
     seed = cfg.seeds.heldout[0]
-    jobs = [mp.TraceJob(t.name, f, seed, t) for f in ("homogeneous", "bimodal") for t in (ms.synthetic_trace(cfg, f, seed),)]
+    jobs = [mp.TraceJob(t.name, f, seed, t) for f in ("homogeneous", "bimodal")
+            for t in (ms.synthetic_trace(cfg, f, seed),)]
     p = mp.build_plan(cfg, jobs, constants)
     p.shapes = [shape]
     return p
