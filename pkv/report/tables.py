@@ -31,11 +31,9 @@ from pkv.engines import table
 from pkv.measure.nsight import table5
 
 # What the report reads and refuses (names re-exported for the modules that import them here).
-from pkv.report.load import MissingStage, Raw, ReportError, check_folder, frozen, load, missing_seeds, seeds_cell  # noqa: F401
+from pkv.report.load import MissingStage, Raw, ReportError, check_folder, frozen, load, seeds_cell  # noqa: F401
 from pkv.report.notes import missing_note, provenance_line, ran_line  # noqa: F401 (compare reads missing_note here)
-from pkv.report.ratios import (  # noqa: F401
-    FAMILY_ORDER,
-    TIMINGS,
+from pkv.report.ratios import (
     base_path,
     baselines,
     mean_sd,
@@ -45,14 +43,10 @@ from pkv.report.ratios import (  # noqa: F401
     ratios,
     router_label,
     routers,
-    throughputs,
     trace_label,
     trace_order,
 )
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
-
-# ---------------------------------------------------------------- formatting
-
 
 # ---------------------------------------------------------------- tables
 
@@ -86,9 +80,8 @@ def t_serving(raw: Raw) -> pd.DataFrame:
             continue
         rows.append({
             "Trace / mode": router_label(trace_label(family, batch), router),
-            "Selected route": modal_route(steps["route"]),
-            "CUDA tok/s ratio": mean_sd(r.loc[sel, "cuda_ratio"]), "Graph ratio": mean_sd(r.loc[sel, "graph_ratio"]),
-            "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
+            "Selected route": modal_route(steps["route"]), "CUDA tok/s ratio": mean_sd(r.loc[sel, "cuda_ratio"]),
+            "Graph ratio": mean_sd(r.loc[sel, "graph_ratio"]), "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
             "Wall ratio min": num(r.loc[sel, "wall_ratio"].min()),
             "Max |e|": num(steps["max_abs_err"].max(), ".3e"), "Mean |e|": num(steps["mean_abs_err"].mean(), ".3e"),
             **({"FlashInfer path (wall / CUDA)": base_path(r.loc[sel])} if names_path(f["engine"]) else {}),
@@ -132,9 +125,8 @@ def t_isolated(raw: Raw) -> pd.DataFrame:
             # Auto split: the best split of the grid per context (the paper's autotuned row).
             best = g.loc[g.groupby("context")["device_s"].idxmin()].set_index("context")
             row = {"Method": f"{engine}, auto split"}
-            row.update({f"{c // K}K ms" if c >= K else f"{c} ms":
-                        f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} (s{int(best.loc[c, 'split'])})"
-                        for c in contexts})
+            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} "
+                        f"(s{int(best.loc[c, 'split'])})" for c in contexts})
         else:
             g = g.set_index("context")
             row = {"Method": engine}
@@ -192,9 +184,8 @@ def t_b4_sweep(raw: Raw) -> pd.DataFrame:
     for split, g in r.groupby("split", sort=True):
         family, batch = g["family"].iloc[0], int(g["max_active"].iloc[0])
         rows.append({"Split": str(int(split)), "Wall ratio": mean_sd(g["wall_ratio"]),
-                     "Wall min": num(g["wall_ratio"].min()),
-                     "Wall max": num(g["wall_ratio"].max()), "CUDA ratio": mean_sd(g["cuda_ratio"]),
-                     "Graph ratio": mean_sd(g["graph_ratio"]),
+                     "Wall min": num(g["wall_ratio"].min()), "Wall max": num(g["wall_ratio"].max()),
+                     "CUDA ratio": mean_sd(g["cuda_ratio"]), "Graph ratio": mean_sd(g["graph_ratio"]),
                      "Seeds": seeds_cell(raw, "b4_sweep", family, batch, g["seed"].nunique())})
     return pd.DataFrame(rows)
 
@@ -280,8 +271,7 @@ def t_coverage(raw: Raw) -> pd.DataFrame:
         for router, (key, g) in ((e, kg) for e in routers(s) or [table.ROUTER]
                                  for kg in r[r["engine"] == e].groupby(keys[:-1], sort=True)):
             key = dict(zip(keys[:-1], key if isinstance(key, tuple) else (key,)))
-            steps = s[(s["engine"] == router)
-                      & np.logical_and.reduce([s[k] == v for k, v in key.items()])]
+            steps = s[(s["engine"] == router) & np.logical_and.reduce([s[k] == v for k, v in key.items()])]
             regime = trace_label(key["family"], key["max_active"])
             if stage == "gqa_sweep":
                 regime += f", G={key['group']}"
@@ -306,11 +296,10 @@ def status(wall_ratio: pd.Series, routes: pd.Series) -> str:
     return "Mixed" if wall_ratio.mean() >= 1.0 else "Regression"
 
 
-BUILDERS = {
-    "isolated": t_isolated, "serving": t_serving, "mlp_proxy": t_mlp_proxy, "counters": t_counters,
-    "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity, "gqa_sweep": t_gqa_sweep,
-    "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations, "external": t_external,
-}
+BUILDERS = {"isolated": t_isolated, "serving": t_serving, "mlp_proxy": t_mlp_proxy, "counters": t_counters,
+            "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity,
+            "gqa_sweep": t_gqa_sweep, "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations,
+            "external": t_external}
 TABLES = {name: Table(**asdict(spec), build=BUILDERS.get(name)) for name, spec in TABLE_SPECS.items()}
 
 
