@@ -11,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MAX_COUNTER_STRIDE, MAX_PIECE_COST, MAX_SPIN_NS,
-                                      MERGE_SLICES, PIECE_COST)
 from pkv.engines import graph, persistent
+from pkv.plan.device_schedule import (
+    CTA_MERGE_STATES,
+    GRAPH_MAX_ROWS,
+    MAX_COUNTER_STRIDE,
+    MAX_PIECE_COST,
+    MAX_SPIN_NS,
+    MERGE_SLICES,
+    PIECE_COST,
+)
 from pkv.plan.schedule import TILE_TOKENS
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
@@ -64,7 +71,8 @@ def test_v3_group_limit():
 
 
 def test_decode_op_takes_the_launch_builder_names():
-    schema = re.search(r'm\.def\("decode\((.*?)\) -> \(\)"\);', SOURCES["binding.cpp"].replace('"\n        "', ""), re.S)
+    schema = re.search(r'm\.def\("decode\((.*?)\) -> \(\)"\);', SOURCES["binding.cpp"].replace('"\n        "', ""),
+                       re.S)
     names = [a.split()[-1] for a in schema.group(1).split(", ")]
     assert names[:7] == ["q", "kv", "block_table", "meta", "out", "partial", "counters"]
     assert names[7:] == list(persistent.KERNEL_ARGS)

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 import torch
 
+from api_cases import in_layout, make_case
 from pkv.api import LAYOUTS, DecodeWrapper, decode, make_workspace
 from pkv.api.op import paged_decode
 from pkv.core.fp8 import quantize
 from pkv.kernels.reference import attention_reference
-from api_cases import in_layout, make_case
 
 REPO = Path(__file__).resolve().parents[1]
 LENS = [1, 17, 0, 300, 1500]   # direct rows, a padding row, rows the oracle splits over CTAs and merges
@@ -197,11 +197,13 @@ def test_wrapper_refusals():
         w.run(q[:, :4].contiguous(), kv)
     with pytest.raises(ValueError, match="made for torch.float16 queries, got torch.bfloat16"):
         w.run(q.bfloat16(), kv)
-    with pytest.raises(ValueError, match="made for a torch.float16 KV cache, the layer's KV cache is torch.float8_e4m3fn"):
+    with pytest.raises(ValueError,
+                       match="made for a torch.float16 KV cache, the layer's KV cache is torch.float8_e4m3fn"):
         w.run(q, kv.to(torch.float8_e4m3fn))
     w8 = DecodeWrapper(2, 3, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, kv_fp8=True, device="cpu")
     w8.update(table, lens)
-    with pytest.raises(ValueError, match=r"made for an FP8 \(e4m3\) KV cache \(kv_fp8=True\), the layer's KV cache is torch.float16"):
+    with pytest.raises(ValueError, match=r"made for an FP8 \(e4m3\) KV cache \(kv_fp8=True\), "
+                                         r"the layer's KV cache is torch.float16"):
         w8.run(q, kv)
     with pytest.raises(ValueError, match="layout must be one of"):
         DecodeWrapper(2, 3, num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16, layout="paged", device="cpu")

@@ -30,11 +30,18 @@ import pytest
 import yaml
 
 from pkv.config.jobs import STAGE_FILES, stage_files
-from pkv.config.resolve import (ConfigError, check_config, config_hash, effective, load_config, load_schema,
-                                read_config_file, validate_config)
+from pkv.config.resolve import (
+    ConfigError,
+    check_config,
+    config_hash,
+    effective,
+    load_config,
+    load_schema,
+    read_config_file,
+    validate_config,
+)
 from pkv.config.seeds import check_seed
 from pkv.core import io
-from pkv.core.io import write_parquet
 from pkv.core.trace_files import TraceFileError, load_trace
 from pkv.core.traces import MAX_LEN, MAX_REQUESTS, SyntheticSpec
 from pkv.report.tables import ReportError, build_report, load
@@ -378,8 +385,8 @@ def test_deep_json_and_huge_csv_fields_are_one_line(tmp_path):
     deep = tmp_path / "deep.json"
     deep.write_text("[" * 1000 + "]" * 1000)
     assert one_line(pkv("trace", "show", "--file", str(deep))) == (
-        f"pkv: error: {deep}: JSON nested deeper than 64 levels (pkv.core.trace_files.MAX_JSON_DEPTH); a request file is "
-        "a list of flat objects")
+        f"pkv: error: {deep}: JSON nested deeper than 64 levels (pkv.core.trace_files.MAX_JSON_DEPTH); "
+        "a request file is a list of flat objects")
     wide = tmp_path / "wide.csv"
     wide.write_text("prompt_len,decode_len\n4,4\n" + "1" * 200_000 + ",2\n")
     assert one_line(pkv("trace", "show", "--file", str(wide))) == (
@@ -471,13 +478,15 @@ def test_bad_flag_values_name_the_flag(flags, message):
 
 def test_measure_seed_flag_is_checked_by_type(frozen):
     d, _ = frozen
-    assert one_line(measure(d, "b4-sweep", "--seed", "-1")).endswith("argument --seed: must be in 0..4294967295, got -1")
+    assert one_line(measure(d, "b4-sweep", "--seed", "-1")).endswith(
+        "argument --seed: must be in 0..4294967295, got -1")
 
 
 def test_the_host_bench_keeps_the_seed_discipline(frozen):
     d, _ = frozen
     for seed, message in ((str(CAL), f"--seed {CAL} is the calibration seed"),
-                          ("-1", "--seed -1 is not one of this config's seeds for the stage: host runs on the held-out")):
+                          ("-1", "--seed -1 is not one of this config's seeds for the stage: "
+                                 "host runs on the held-out")):
         line = one_line(pkv("bench", "host", "--config", str(d / "config.json"), "--seed", seed,
                             "--out", str(d / "host.parquet")))
         assert message in line and not (d / "host.parquet").exists()

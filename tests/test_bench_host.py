@@ -6,19 +6,20 @@ import json
 import pandas as pd
 import yaml
 
-from pkv.core import io
 from pkv.bench.host import nearest_point
-from pkv.report.host import markdown
 from pkv.cli.main import main
-from pkv.plan.costmodel import Constants
 from pkv.config.resolve import effective, write_config
+from pkv.core import io
+from pkv.plan.costmodel import Constants
+from pkv.report.host import markdown
 
 
 def _constants(path):
     d = {"device": "cpu", "beta_bytes_per_s": 1e10, "launch_overhead_s": 1e-5, "sm_count": 2, "c_min": 1.0,
          "baseline_ctas_per_head": {"reference": 1.0}, "margins": [{"max_active": 1024, "margin": 1.05}],
          "supported_groups": [4], "min_context": 1, "min_tiles_per_split": 1,
-         "operating_points": {"bucketed-b1": {"bucket": 4, "workqueue": 4}, "bimodal-b4": {"bucket": 2, "workqueue": 2}}}
+         "operating_points": {"bucketed-b1": {"bucket": 4, "workqueue": 4},
+                              "bimodal-b4": {"bucket": 2, "workqueue": 2}}}
     path.write_text(json.dumps(d))
     return path
 

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 from pkv.report import claims
-from pkv.report.claims import (NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, REVERSED, STRONGER, WEAKER, route_kind,
-                               verdict)
+from pkv.report.claims import NOT_MEASURED, NOT_REPRODUCED, REPRODUCED, REVERSED, STRONGER, WEAKER, route_kind, verdict
 from pkv.report.spec import TABLE_SPECS, in_all
 from pkv.report.tables import BUILDERS, _build_target, _load_cached, targets
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pkv.core.io import write_parquet
 from pkv.config.resolve import ConfigError, check_config, coerce, config_hash, effective, load_config
+from pkv.core.io import write_parquet
 from worktree import REPO, copy_worktree
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake"]
@@ -114,7 +114,8 @@ def test_measure_refuses_a_frozen_config_with_a_held_out_calibration_seed(frozen
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="is also in seeds.heldout"):
         load_config(d / "config.json")
-    done = _pkv("calibrate", "--config", str(d / "config.json"), "--out", str(d / "c.json"), "--raw", str(d / "r.parquet"))
+    done = _pkv("calibrate", "--config", str(d / "config.json"), "--out", str(d / "c.json"),
+                "--raw", str(d / "r.parquet"))
     assert done.returncode == 2 and "is also in seeds.heldout" in done.stderr and not (d / "c.json").exists()
 
 
@@ -147,7 +148,8 @@ def test_every_stage_validates_the_frozen_config_against_the_schema(frozen):
     d, cfg = frozen
     cfg["measure"]["max_step"] = 4   # a hand-edited frozen config with a typo
     (d / "config.json").write_text(json.dumps(cfg))
-    done = _pkv("calibrate", "--config", str(d / "config.json"), "--out", str(d / "c.json"), "--raw", str(d / "r.parquet"))
+    done = _pkv("calibrate", "--config", str(d / "config.json"), "--out", str(d / "c.json"),
+                "--raw", str(d / "r.parquet"))
     assert done.returncode == 2 and not (d / "c.json").exists()
     assert done.stderr.strip() == (f"pkv: error: {d / 'config.json'}: measure: Additional properties are not allowed "
                                    "('max_step' was unexpected)")

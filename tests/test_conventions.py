@@ -6,10 +6,10 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 import pkv
 from pkv.cli.main import COMMANDS, build_parser
@@ -60,7 +60,8 @@ def test_every_help_shows_every_default():
             option = action.option_strings[-1]
             assert action.help, (" ".join(path), option, "has no help, so argparse prints no default")
             expanded = "".join(formatter._expand_help(action).split())
-            assert f"(default:{action.default})".replace(" ", "") in expanded and expanded in text, (" ".join(path), option)
+            assert (f"(default:{action.default})".replace(" ", "") in expanded
+                    and expanded in text), (" ".join(path), option)
             checked += 1
     assert checked > 10
 
@@ -69,7 +70,7 @@ def test_command_table_agrees_with_the_modules():
     full = build_parser()
     sub = next(a for a in full._actions if isinstance(a, argparse._SubParsersAction))
     assert set(sub.choices) == set(COMMANDS)
-    for name, (module, _) in COMMANDS.items():
+    for name in COMMANDS:
         alone = build_parser(name)
         alone_sub = next(a for a in alone._actions if isinstance(a, argparse._SubParsersAction))
         assert alone_sub.choices[name].format_help() == sub.choices[name].format_help(), name

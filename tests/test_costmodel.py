@@ -6,18 +6,25 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
-from pkv.core.cache import PagedCache
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkv.plan.costmodel import (Constants, RouteCost, baseline_cost, bucket_cost, choose, eligible, estimate,
-                           workqueue_cost)
-from pkv.engines import make_engine, table
+from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
-from pkv.plan.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
 from pkv.core.shape import Shape
+from pkv.engines import make_engine, table
+from pkv.plan.costmodel import (
+    Constants,
+    RouteCost,
+    baseline_cost,
+    bucket_cost,
+    choose,
+    eligible,
+    estimate,
+    workqueue_cost,
+)
+from pkv.plan.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
 from router_constants import cpu_constants
 
 H200_LIKE = Constants(
@@ -148,8 +155,9 @@ def test_the_overlapped_objective_promotes_by_its_own_margins_where_given():
 
 
 def test_calibration_copies_the_overlapped_margins_from_the_config(monkeypatch):
-    import yaml
     from pathlib import Path
+
+    import yaml
 
     from pkv.config.resolve import effective, load_schema, validate_config
     from pkv.config.typed import Config
@@ -222,7 +230,8 @@ def test_adaptive_routes_long_low_occupancy_steps_to_persistentkv_and_stays_exac
 def test_adaptive_respects_the_gates():
     cache = _cache()
     short = _cpu_constants(min_context=10_000)
-    assert make_engine("adaptive", cache, constants=short, point="p").prepare(_step([301, 77, 150])).route == "reference"
+    assert make_engine("adaptive", cache, constants=short, point="p").prepare(
+        _step([301, 77, 150])).route == "reference"
     g1 = _cache(Shape(8, 8, 16, 4, "float16"))
     eng = make_engine("adaptive", g1, constants=_cpu_constants(), point="p")
     assert not eng.pkv   # gated groups never build PersistentKV engines

@@ -7,11 +7,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import tomllib
 from fnmatch import fnmatch
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from pkv.engines.graph import FP8_HEAD_DIMS, HEAD_DIMS
 from pkv.kernels.loader import HEADERS, SOURCES

@@ -18,14 +18,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (CTA_MERGE_STATES, GRAPH_MAX_ROWS, MERGE_SLICES, active_ctas, graph_pieces,
-                                      graph_schedule, grid_merge_roles)
-from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
-from pkv.kernels.reference import attention_reference
-from pkv.plan.schedule import TILE_TOKENS, num_tiles
 from pkv.core.shape import Shape
+from pkv.engines import make_engine
+from pkv.kernels.reference import attention_reference
+from pkv.plan.device_schedule import (
+    CTA_MERGE_STATES,
+    GRAPH_MAX_ROWS,
+    MERGE_SLICES,
+    active_ctas,
+    graph_pieces,
+    graph_schedule,
+    grid_merge_roles,
+)
+from pkv.plan.schedule import TILE_TOKENS, num_tiles
 
 CASES = {
     "B1 8K": [8192], "B1 1": [1], "odd": [31, 33, 1000, 7], "padding": [0, 5000, 0, 17, 0],

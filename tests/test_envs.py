@@ -2,9 +2,9 @@
 versions, every pin inside pyproject.toml's range, and every rule using it."""
 
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine
 from pkv.core.fp8 import E4M3, E4M3_MAX, E4M3_STEP, POLICIES, KvScales, dequantize, quantize, write_pages
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
-from pkv.kernels.reference import attention_reference
 from pkv.core.shape import Shape
+from pkv.engines import make_engine
+from pkv.kernels.reference import attention_reference
 
 
 def kv(seed=0, pages=6, heads=2, page=16, d=32, scale=1.0):
@@ -177,7 +177,8 @@ def test_kernel_table_pairs_points():
     for point, batch, length in (("B1 32K", 1, 32768), ("B8 32K", 8, 32768)):
         for kv_dtype, policy, engine, us in (("auto", "", "pkv-graph", 40.0), ("auto", "", "flashinfer-tc", 42.0),
                                              ("auto", "", "flashinfer", 50.0), ("fp8", "tensor", "pkv-graph", 25.0),
-                                             ("fp8", "tensor", "flashinfer-tc", 35.0), ("fp8", "page", "pkv-graph", 26.0)):
+                                             ("fp8", "tensor", "flashinfer-tc", 35.0),
+                                             ("fp8", "page", "pkv-graph", 26.0)):
             rows.append(dict(family="fp8", point=point, case=f"{point} {kv_dtype}{policy}", kv_dtype=kv_dtype,
                              fp8_policy=policy, engine=engine, graph_us=us * batch, batch=batch, max_len=length,
                              frac_of_roofline=0.8))
@@ -209,9 +210,9 @@ def test_kv_fp8_stage_on_the_cpu(tmp_path):
 
     import yaml
 
-    from pkv.plan.costmodel import Constants
     from pkv.config.resolve import effective
     from pkv.measure.stages import kv_fp8
+    from pkv.plan.costmodel import Constants
 
     cfg = effective(yaml.safe_load((Path(__file__).resolve().parent.parent / "config.yaml").read_text()), "smoke")
     k = Constants("cpu", 1e9, 1e-6, 8, 1.0, {"flashinfer": 4.0, "flashinfer-tc": 4.0}, ((1024, 1.05),), (4,), 1, 4)

@@ -57,7 +57,8 @@ def clone(tmp_path_factory) -> Path:
     # Untracked files laid over the clone are this test's doing, not a user's: commit them
     # locally so that `git status` below shows only what the pipeline writes.
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
-    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "working tree", "--allow-empty"],
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "working tree",
+                    "--allow-empty"],
                    cwd=dest, check=True)
     # Worst-case checkout mtimes: every input of the reference run newer than every output.
     old, new = time.time() - 3600, time.time()

@@ -53,4 +53,5 @@ def test_step_metadata_views_agree():
     fi = meta.flashinfer
     assert fi.indptr.tolist() == [0, 1, 3, 5] and fi.last_page_len.tolist() == [16, 1, 2]
     for i in range(3):
-        np.testing.assert_array_equal(fi.indices[fi.indptr[i]:fi.indptr[i + 1]], meta.block_table[i][: fi.indptr[i + 1] - fi.indptr[i]])
+        np.testing.assert_array_equal(fi.indices[fi.indptr[i]:fi.indptr[i + 1]],
+                                      meta.block_table[i][: fi.indptr[i + 1] - fi.indptr[i]])

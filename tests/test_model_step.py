@@ -293,14 +293,12 @@ def test_a_smaller_card_simulates_the_model_with_the_layers_that_fit():
         fit = mp.fitted(shape, s, pages[name], h100)
         assert 1 <= fit.layers < shape.layers and fit.of_layers == (shape.of_layers or shape.layers)
         assert (fit.hidden, fit.mlp, fit.name) == (shape.hidden, shape.mlp, shape.name)
-
-        def need(layers):
-            return (layers * (fit.layer_weight_bytes(2) + mp.kv_bytes(s, pages[name], 1))
-                    + 2 * mp.kv_bytes(s, pages[name], 1) + mp.RESERVE_BYTES)
-
-        assert need(fit.layers) <= h100 < need(fit.layers + 1)
+        # n layers need n * per_layer (weights, KV) + fixed (the FP32 draw of the layer being made, the reserve).
+        per_layer = fit.layer_weight_bytes(2) + mp.kv_bytes(s, pages[name], 1)
+        fixed = 2 * mp.kv_bytes(s, pages[name], 1) + mp.RESERVE_BYTES
+        assert fit.layers * per_layer + fixed <= h100 < (fit.layers + 1) * per_layer + fixed
         with pytest.raises(MemoryError, match=rf"{name}: one layer of {pages[name]} KV pages needs .* GiB is free"):
-            mp.fitted(shape, s, pages[name], need(1) - 1)
+            mp.fitted(shape, s, pages[name], per_layer + fixed - 1)
     small = runners.MODEL_SHAPES["smoke"]
     assert mp.fitted(small, small.attention(4, "float16"), 10 ** 9, None) is small    # the CPU: no limit
 
@@ -431,7 +429,8 @@ def test_failures_drop_an_engine_or_a_job_and_keep_the_rest(monkeypatch):
     dropped = {}
     frame = ms.run(plan, log=lambda m: None, dropped=dropped)
     assert set(frame["engine"]) == {"reference"} and set(frame["family"]) == {"bimodal"}
-    assert dropped == {"pkv-graph": "RuntimeError: capture failed", f"smoke/zipf-{SEED}": "ValueError: measurement failed"}
+    assert dropped == {"pkv-graph": "RuntimeError: capture failed",
+                       f"smoke/zipf-{SEED}": "ValueError: measurement failed"}
 
 
 # ---------------------------------------------------------------- the report on synthetic frames
@@ -450,7 +449,8 @@ def synthetic_frame(kv: bool = False) -> pd.DataFrame:
                 base.update(stage="model_step", model="llama-1b", layers=16, hidden=2048, head_dim=64,
                             num_qo_heads=32, num_kv_heads=8, mlp=8192, dtype="float16", kv_dtype=kv_dtype,
                             kv_layers=16, trace=f"bimodal-{seed}", family="bimodal", seed=seed, max_active=8,
-                            bucket=8, engine=engine, route=engine, launch="eager" if engine.endswith("eager") else "graph")
+                            bucket=8, engine=engine, route=engine,
+                            launch="eager" if engine.endswith("eager") else "graph")
                 for step in range(3):
                     rows.append({**base, "kind": "step", "step": step, "active": 8, "total_tokens": 8000 + step,
                                  "max_len": 1000, "steps": 1, "tokens": 8,

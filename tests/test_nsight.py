@@ -25,7 +25,8 @@ def test_one_row_per_invocation_with_named_unit_columns():
 
 def test_table5_layout_and_roofline_fraction():
     t = table5(parse_ncu_csv(FIXTURE), roofline_gbps=4000.0).set_index("Kernel")
-    assert list(t.columns) == ["Invocations", "Time ms", "SM thr. %", "Mem. thr. %", "DRAM GB/s", "DRAM / roofline", "L2 hit %"]
+    assert list(t.columns) == ["Invocations", "Time ms", "SM thr. %", "Mem. thr. %", "DRAM GB/s", "DRAM / roofline",
+                               "L2 hit %"]
     row = t.loc["PersistentKV decode"]
     assert row["DRAM / roofline"] == pytest.approx(row["DRAM GB/s"] / 4000.0)
     assert 0.05 < row["Time ms"] < 1.0
@@ -36,7 +37,8 @@ def test_kernel_roles():
         "PersistentKV graph decode (pkv-graph)"
     assert kernel_role("void pkv::(anonymous namespace)::graph_merge_kernel<__half, 128>(P)") == \
         "PersistentKV graph merge (pkv-graph)"
-    assert kernel_role("void flashinfer::BatchPrefillWithPagedKVCacheKernel<1>(P)") == "FlashInfer decode (tensor cores)"
+    assert (kernel_role("void flashinfer::BatchPrefillWithPagedKVCacheKernel<1>(P)")
+            == "FlashInfer decode (tensor cores)")
     assert kernel_role("void flashinfer::PersistentVariableLengthMergeStatesKernel<8>(T)") == "FlashInfer merge"
     assert kernel_role("void other::thing<int>(x)") == "other::thing"
 
@@ -67,7 +69,8 @@ def test_parse_command_keeps_the_profiled_runs_provenance(tmp_path):
     constants = tmp_path / "constants.json"
     constants.write_text(json.dumps({"beta_bytes_per_s": 4.0e12}))
     out = tmp_path / "kernels.parquet"
-    assert main(["nsight-parse", "--csv", str(FIXTURE), "--run", str(run), "--constants", str(constants), "--out", str(out)]) == 0
+    assert main(["nsight-parse", "--csv", str(FIXTURE), "--run", str(run), "--constants", str(constants),
+                 "--out", str(out)]) == 0
     meta = read_meta(out)
     assert meta["gpu"] == "NVIDIA H200" and meta["git_commit"] == "abc" and meta["stage"] == "nsight_kernels"
     assert meta["roofline_gbps"] == "4000.0"

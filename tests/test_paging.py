@@ -39,7 +39,8 @@ def test_both_views_name_the_same_slots(totals, page_size, holes, seed, data):
 
 
 @settings(max_examples=60, deadline=None)
-@given(totals=lengths, page_size=st.sampled_from([1, 16, 32, 64]), holes=st.floats(0.0, 0.9), seed=st.integers(0, 2**31))
+@given(totals=lengths, page_size=st.sampled_from([1, 16, 32, 64]), holes=st.floats(0.0, 0.9),
+       seed=st.integers(0, 2**31))
 def test_assignment_follows_section_3_7(totals, page_size, holes, seed):
     totals = np.array(totals)
     a = assign_pages(totals, page_size, holes, seed)

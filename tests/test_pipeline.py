@@ -22,10 +22,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from pkv.config.resolve import SMOKE_BANNER, config_hash, effective
 from pkv.core.io import PROVENANCE_KEYS, file_hash, read_meta
 from pkv.measure.loop import COLUMNS
 from pkv.measure.model_step import COLUMNS as MODEL_STEP_COLUMNS
-from pkv.config.resolve import SMOKE_BANNER, config_hash, effective
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
 from pkv.report.tables import targets
 from worktree import copy_worktree
@@ -104,15 +104,20 @@ def test_paper_fan_out_on_any_machine(tree):
     assert rules.count("calibrate_device") == 1
     # One serving job per engine set, over every point and held-out seed in one process.
     serve = [(w, s) for r, w, s in jobs if r == "serve_trace"]
-    assert {w["engine_set"] for w, _ in serve} == set(CONFIG["engine_sets"]) and len(serve) == len(CONFIG["engine_sets"])
+    assert ({w["engine_set"] for w, _ in serve} == set(CONFIG["engine_sets"])
+            and len(serve) == len(CONFIG["engine_sets"]))
+
+    def values(args, flag):
+        """The arguments after `flag`, up to the next flag."""
+        return list(itertools.takewhile(lambda a: not a.startswith("--"), args[args.index(flag) + 1:]))
+
     for w, shell in serve:
         args = shlex.split(shell.split(" > ")[0])
-        values = lambda flag: list(itertools.takewhile(lambda a: not a.startswith("--"),  # noqa: E731
-                                                       args[args.index(flag) + 1:]))
-        jobs_run = list(zip(values("--family"), map(int, values("--max-active")), map(int, values("--seed"))))
+        jobs_run = list(zip(values(args, "--family"), map(int, values(args, "--max-active")),
+                            map(int, values(args, "--seed"))))
         assert jobs_run == [(p["family"], p["max_active"], s) for p in CONFIG["serving"] for s in HELDOUT]
-        assert [Path(o).name for o in values("--out")] == [f"{f}-b{b}-s{s}-{w['engine_set']}.parquet"
-                                                           for f, b, s in jobs_run]
+        assert [Path(o).name for o in values(args, "--out")] == [
+            f"{f}-b{b}-s{s}-{w['engine_set']}.parquet" for f, b, s in jobs_run]
     # No held-out seed feeds calibration: it reads only the frozen config and runs the
     # calibration seed; every measuring job reads the frozen constants (but the kernel
     # benchmark, which routes nothing: it times fixed engines on fixed shapes).
@@ -265,7 +270,8 @@ def test_report_regenerates_tables_bit_for_bit(smoke):
     root = work / "results" / "smoke"
     tables = sorted((root / "tables").iterdir())
     before = {p.name: p.read_bytes() for p in tables}
-    done = subprocess.run([sys.executable, "-m", "pkv.cli", "report", str(root)], cwd=work, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "report", str(root)], cwd=work, capture_output=True,
+                          text=True)
     assert done.returncode == 0, done.stderr
     assert {p.name: p.read_bytes() for p in sorted((root / "tables").iterdir())} == before
 
@@ -281,7 +287,8 @@ def test_failed_measurement_leaves_no_output(smoke, tmp_path):
     constants = json.loads((root / "calibration" / "constants.json").read_text())
     (tmp_path / "constants.json").write_text(json.dumps({**constants, "config_hash": config_hash(cfg)}))
     out = tmp_path / "raw" / "serve.parquet"
-    done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "serve", "--config", str(tmp_path / "config.json"),
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "measure", "serve",
+                           "--config", str(tmp_path / "config.json"),
                            "--constants", str(tmp_path / "constants.json"), "--family", "bimodal",
                            "--max-active", "8", "--seed", str(HELDOUT[0]), "--engine-set", "main", "--out", str(out)],
                           cwd=work, capture_output=True, text=True)

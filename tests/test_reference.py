@@ -8,9 +8,9 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.core.paging import assign_pages
+from pkv.core.shape import Shape
 from pkv.kernels.reference import attention_reference, merge_states, partial_state, run_schedule, tensor_lens
 from pkv.plan.schedule import SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
-from pkv.core.shape import Shape
 
 SCHEDULES = {
     "bucket": lambda lens, h, p: bucket_schedule(lens, h, p),

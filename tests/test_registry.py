@@ -8,13 +8,13 @@ import pytest
 import yaml
 
 from pkv.bench import splits as bench
-from pkv.plan import costmodel
 from pkv.core.cache import PagedCache
+from pkv.core.paging import assign_pages
+from pkv.core.shape import Shape
 from pkv.engines import make_engine, table
 from pkv.engines.persistent import kernel_launches
-from pkv.core.paging import assign_pages
+from pkv.plan import costmodel
 from pkv.plan.schedule import SplitPolicy, slot_bytes, slot_floats, workqueue_row_splits, workqueue_schedule
-from pkv.core.shape import Shape
 
 
 def _config_engines(node) -> set[str]:

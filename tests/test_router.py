@@ -10,25 +10,34 @@ import numpy as np
 import pandas as pd
 import pytest
 import torch
-
-from pkv.core.cache import PagedCache
-from pkv.measure.calibrate import FIT_C_MIN, fit_constants, fit_device_terms
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkv.plan.costmodel import (Constants, Router, RouteCost, baseline_cost, bucket_cost, bucket_counts, choose,
-                                eligible, estimate, workqueue_cost, workqueue_counts)
-from pkv.plan.schedule import bucket_schedule, workqueue_schedule
+from pkv.config.resolve import load_config, point_key, shape_of
+from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState
+from pkv.core.paging import assign_pages
+from pkv.core.shape import Shape
 from pkv.engines import make_engine
 from pkv.engines.common import PinnedStaging
-from pkv.core.harness import StepState
+from pkv.measure.calibrate import FIT_C_MIN, fit_constants, fit_device_terms
 from pkv.measure.loop import Job, Tolerance, measure
-from pkv.measure.timing import Timer
-from pkv.config.resolve import load_config, point_key, shape_of
 from pkv.measure.stages import steps_of, synthetic_trace
-from pkv.core.paging import assign_pages
-from pkv.plan.schedule import SplitPolicy
-from pkv.core.shape import Shape
+from pkv.measure.timing import Timer
+from pkv.plan.costmodel import (
+    Constants,
+    RouteCost,
+    Router,
+    baseline_cost,
+    bucket_cost,
+    bucket_counts,
+    choose,
+    eligible,
+    estimate,
+    workqueue_cost,
+    workqueue_counts,
+)
+from pkv.plan.schedule import SplitPolicy, bucket_schedule, workqueue_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "calibration" / "constants.json"
@@ -218,7 +227,8 @@ def test_measure_times_without_validation_and_records_route_time():
     cache = _cache()
     k = Constants("cpu", 1e9, 1e-6, 4, 1.0, {"reference": 1.0}, ((1024, 1.05),), (4,), 64, 1,
                   {"p": {"bucket": 4, "workqueue": 4}})
-    engines = {"reference": make_engine("reference", cache), "adaptive": make_engine("adaptive", cache, constants=k, point="p")}
+    engines = {"reference": make_engine("reference", cache),
+               "adaptive": make_engine("adaptive", cache, constants=k, point="p")}
     seen = []
     original = Timer.timed
 
@@ -230,7 +240,8 @@ def test_measure_times_without_validation_and_records_route_time():
     steps = [StepState(i, np.arange(3), np.array([290 + i, 67 + i, 140 + i], dtype=np.int32)) for i in range(3)]
     Timer.timed = spy
     try:
-        frame = measure(Job("t", "t", "f", 3, 0, 4), cache, steps, engines, "reference", Tolerance(2e-3, 3e-4), 1, False)
+        frame = measure(Job("t", "t", "f", 3, 0, 4), cache, steps, engines, "reference", Tolerance(2e-3, 3e-4), 1,
+                        False)
     finally:
         Timer.timed = original
     assert seen and all(seen)                  # switched back on after each timed step

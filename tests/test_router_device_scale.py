@@ -12,12 +12,11 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from pkv.config.typed import Config
 from pkv.measure.calibrate import scheduled_routes
 from pkv.measure.overlapped_margin import device_by_step, estimates_by_step, fit_device_scale, with_device_scale
-from pkv.config.typed import Config
 from pkv.plan.costmodel import Constants, RouteCost, choose, estimate
 from pkv.report.router import margin_sentence
-
 from router_constants import cpu_constants
 
 ROOT = Path(__file__).resolve().parents[1]

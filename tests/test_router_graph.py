@@ -26,8 +26,18 @@ from pkv.engines import make_engine, table
 from pkv.engines.graph import GraphEngine
 from pkv.measure.calibrate import fit_constants, fit_device_terms, fit_graph, operating_points
 from pkv.measure.stages import build_engine, steps_of, synthetic_trace
-from pkv.plan.costmodel import (GRAPH, OBJECTIVES, Constants, GraphFit, RouteCost, Router, choose, estimate,
-                                graph_cost, graph_counts)
+from pkv.plan.costmodel import (
+    GRAPH,
+    OBJECTIVES,
+    Constants,
+    GraphFit,
+    RouteCost,
+    Router,
+    choose,
+    estimate,
+    graph_cost,
+    graph_counts,
+)
 from pkv.plan.device_schedule import graph_pieces
 from pkv.plan.schedule import SplitPolicy, slot_bytes
 from router_constants import cpu_constants, fake_measure
@@ -140,7 +150,8 @@ def test_graph_rows_join_the_sweep_without_moving_the_other_fits():
     base = cal[(cal["engine"].isin(cfg["baselines"])) & (cal["split"] == cal["split"].min())].assign(split=0)
     both = pd.concat([cal, base, graph.reindex(columns=cal.columns)], ignore_index=True)
     assert operating_points(both) == operating_points(cal)
-    assert fit_device_terms(both, committed["beta_bytes_per_s"], 132) == fit_device_terms(cal, committed["beta_bytes_per_s"], 132)
+    assert (fit_device_terms(both, committed["beta_bytes_per_s"], 132)
+            == fit_device_terms(cal, committed["beta_bytes_per_s"], 132))
     fitted = fit_constants(committed, both, cfg["baselines"], shape.kv_bytes_per_token, shape.num_kv_heads)
     assert fitted["host_s"]["graph"] == pytest.approx(6e-5)
     k = Constants.from_dict(json.loads(json.dumps(fitted)))
@@ -189,7 +200,8 @@ def test_old_constants_have_no_graph_route_and_route_as_before():
     for p in cfg["serving"]:
         point = point_key(p["family"], p["max_active"])
         kp = k.at(point)
-        policies = {kind: SplitPolicy(kp.split(point, kind), kp.min_tiles_per_split) for kind in ("bucket", "workqueue")}
+        policies = {kind: SplitPolicy(kp.split(point, kind), kp.min_tiles_per_split)
+                    for kind in ("bucket", "workqueue")}
         plain = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False)
         offered = Router(shape, kp, list(kp.baseline_ctas_per_head), policies, cache=False, graph=(264, 4))
         assert offered.graph is None
@@ -270,7 +282,8 @@ def test_cached_decision_equals_the_uncached_one_with_the_graph_route(capsys):
         for p in cfg["serving"]:
             point = point_key(p["family"], p["max_active"])
             k = k0.at(point)
-            policies = {kind: SplitPolicy(k.split(point, kind), k.min_tiles_per_split) for kind in ("bucket", "workqueue")}
+            policies = {kind: SplitPolicy(k.split(point, kind), k.min_tiles_per_split)
+                        for kind in ("bucket", "workqueue")}
             seeds = cfg["seeds"]
             for seed in (seeds["calibration"], seeds["heldout"][0], seeds["heldout"][-1]):
                 cached = Router(shape, k, list(k.baseline_ctas_per_head), policies, objective=objective, graph=(264, 4))
@@ -366,7 +379,10 @@ def _k_report(fit):
                      4, graph=fit)
 
 
-def _cache(shape=Shape(8, 2, 16, 4, "float16"), lens=(301, 77, 150, 40, 40, 40, 40, 40)):
+_SHAPE = Shape(8, 2, 16, 4, "float16")
+
+
+def _cache(shape=_SHAPE, lens=(301, 77, 150, 40, 40, 40, 40, 40)):
     a = assign_pages(np.array(lens), shape.page_size, 0.5, seed=3)
     return PagedCache.random(shape, a, "cpu", seed=3)
 

@@ -19,8 +19,7 @@ import pytest
 from pkv.config.resolve import load_config, shape_of
 from pkv.core.shape import Shape
 from pkv.measure.calibrate import fit_constants, fit_device_terms, fit_host_s, fit_route, operating_points
-from pkv.plan.costmodel import (OBJECTIVES, Constants, RouteCost, RouteFit, Router, bucket_cost, estimate,
-                                workqueue_cost)
+from pkv.plan.costmodel import OBJECTIVES, Constants, RouteCost, RouteFit, Router, bucket_cost, estimate, workqueue_cost
 from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, num_tiles
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,14 +139,16 @@ def test_replayed_route_fit_reorders_homogeneous_b1():
     lands within 5 % of that measurement on each."""
     k = Constants.load(COMMITTED).at("homogeneous-b1")
     lens = np.array([32785], dtype=np.int32)
-    policies = {kind: SplitPolicy(k.split("homogeneous-b1", kind), k.min_tiles_per_split) for kind in ("bucket", "workqueue")}
+    policies = {kind: SplitPolicy(k.split("homogeneous-b1", kind), k.min_tiles_per_split)
+                for kind in ("bucket", "workqueue")}
     before = Router(SHAPE, dataclasses.replace(k, route_fit={}), list(k.baseline_ctas_per_head), policies, cache=False,
                     objective="overlapped")
     roofline = before.decide(np.arange(1), lens).estimates
     after = Router(SHAPE, k, list(k.baseline_ctas_per_head), policies, cache=False, objective="overlapped")
     est = after.decide(np.arange(1), lens).estimates
     assert roofline["workqueue"] > est["workqueue"]
-    served = pd.concat([pd.read_parquet(f) for f in sorted((ROOT / "results" / "raw" / "serve").glob("homogeneous-b1-*"))])
+    served = pd.concat([pd.read_parquet(f)
+                        for f in sorted((ROOT / "results" / "raw" / "serve").glob("homogeneous-b1-*"))])
     medians = served.groupby(["engine", "seed"])["graph_s"].median()
     measured, tc = medians["pkv-workqueue"], medians["flashinfer-tc"]
     assert set(measured.index) == set(load_config(ROOT / "results" / "config.json")["seeds"]["heldout"])
@@ -167,7 +168,8 @@ def test_split_0_rows_leave_the_grid_fits_and_add_the_route_fits():
     cal = full[~(full["engine"].isin(["pkv-workqueue", "pkv-bucket"]) & (full["split"] == 0))]
     cfg = load_config(ROOT / "results" / "config.json")
     shape = shape_of(cfg)
-    extra = pd.concat([_rows("pkv-workqueue", "workqueue", WORKQUEUE, n=64), _rows("pkv-bucket", "bucket", BUCKET, n=64)])
+    extra = pd.concat([_rows("pkv-workqueue", "workqueue", WORKQUEUE, n=64),
+                       _rows("pkv-bucket", "bucket", BUCKET, n=64)])
     both = pd.concat([cal, extra.reindex(columns=cal.columns)], ignore_index=True)
     assert operating_points(both) == operating_points(cal)
     beta = committed["beta_bytes_per_s"]
@@ -188,7 +190,8 @@ def test_split_0_rows_leave_the_grid_fits_and_add_the_route_fits():
     for lens in ([32785], [40000, 3000, 65000, 9000], [1000] * 8):
         for kind, cost in (("bucket", bucket_cost), ("workqueue", workqueue_cost)):
             c = cost(shape, np.asarray(lens, dtype=np.int32), SplitPolicy(12, 4))
-            assert again.route_fit[kind].device_s(c, SMS) == pytest.approx(want.route_fit[kind].device_s(c, SMS), rel=1e-6)
+            assert again.route_fit[kind].device_s(c, SMS) == pytest.approx(want.route_fit[kind].device_s(c, SMS),
+                                                                           rel=1e-6)
 
 
 def test_constants_round_trip_and_refuse_a_bad_fit():

@@ -3,8 +3,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pkv.plan.schedule import (TILE_TOKENS, SplitPolicy, bucket_schedule, masked_schedule, split_bounds, workqueue_schedule)
 from pkv.core.shape import Shape
+from pkv.plan.schedule import (
+    TILE_TOKENS,
+    SplitPolicy,
+    bucket_schedule,
+    masked_schedule,
+    split_bounds,
+    workqueue_schedule,
+)
 
 lens_strategy = st.lists(st.integers(1, 5000), min_size=1, max_size=10).map(np.array)
 
@@ -24,7 +31,7 @@ def ranges_by_segment(launch, num_kv_heads):
 def assert_tiles_cover(ranges, length):
     """Non-empty ranges are tile-aligned, ordered and cover [0, length) exactly once."""
     assert ranges[0][0] == 0 and ranges[-1][1] == length
-    for (b0, e0), (b1, _) in zip(ranges, ranges[1:]):
+    for (_, e0), (b1, _) in zip(ranges, ranges[1:]):
         assert e0 == b1 and e0 % TILE_TOKENS == 0
 
 
@@ -32,7 +39,8 @@ def assert_tiles_cover(ranges, length):
 @given(lens=lens_strategy, h=st.integers(1, 4), splits=st.integers(1, 40), min_tiles=st.integers(1, 8))
 def test_every_schedule_covers_every_row_and_head_exactly_once(lens, h, splits, min_tiles):
     policy = SplitPolicy(splits, min_tiles)
-    for schedule in (bucket_schedule(lens, h, policy), masked_schedule(lens, h, policy), workqueue_schedule(lens, h, policy)):
+    for schedule in (bucket_schedule(lens, h, policy), masked_schedule(lens, h, policy),
+                     workqueue_schedule(lens, h, policy)):
         covered = {}
         for launch in schedule.launches:
             covered.update(ranges_by_segment(launch, h))
@@ -70,9 +78,9 @@ def test_split_bounds_rule(bound, splits):
 def test_bucket_is_one_grid_per_distinct_length_longest_first():
     lens = np.array([300, 40, 300, 1000, 40])
     s = bucket_schedule(lens, 2, SplitPolicy(4, 1))
-    assert [l.rows.tolist() for l in s.launches] == [[3], [0, 2], [1, 4]]
-    assert all(l.kind == "grid" for l in s.launches)
-    assert [l.splits for l in s.launches] == [4, 4, 2]  # 40 tokens = 2 tiles: at most 2 splits
+    assert [launch.rows.tolist() for launch in s.launches] == [[3], [0, 2], [1, 4]]
+    assert all(launch.kind == "grid" for launch in s.launches)
+    assert [launch.splits for launch in s.launches] == [4, 4, 2]  # 40 tokens = 2 tiles: at most 2 splits
     assert s.launches[1].num_tasks == 2 * 2 * 4
 
 

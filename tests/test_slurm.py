@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from worktree import copy_worktree
 
 REPO = Path(__file__).resolve().parents[1]
@@ -99,7 +100,8 @@ def _jobs_of_dry_run(text: str) -> list[tuple[str, dict[str, str]]]:
 def paper_dry_run(tmp_path_factory):
     reason = _install_if_ci()
     if reason or not _plugin_installed():
-        pytest.skip(reason or "snakemake-executor-plugin-slurm is not installed (pip install it, or run .ci/slurm-setup.sh)")
+        pytest.skip(reason or "snakemake-executor-plugin-slurm is not installed "
+                              "(pip install it, or run .ci/slurm-setup.sh)")
     work = copy_worktree(tmp_path_factory.mktemp("dry"), "results/smoke/")
     # No cluster reachable: a dry run must not need one.
     env = {**os.environ, "SLURM_CONF": str(work / "no-such-slurm.conf")}
@@ -108,7 +110,8 @@ def paper_dry_run(tmp_path_factory):
            "-n", "--forceall", "all", "--config", "profile=paper"]
     r = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    plain = subprocess.run([*SNAKEMAKE, "--profile", "profiles/slurm", "-n", "--forceall", "all", "--config", "profile=paper"],
+    plain = subprocess.run([*SNAKEMAKE, "--profile", "profiles/slurm", "-n", "--forceall", "all",
+                            "--config", "profile=paper"],
                            cwd=work, env=env, capture_output=True, text=True, timeout=600)
     assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
     import yaml
@@ -172,7 +175,8 @@ def cluster(tmp_path_factory, request):
     r = subprocess.run(["bash", str(CLUSTER_SH), "start", str(d)], env=env, capture_output=True, text=True,
                        timeout=180)
     if r.returncode != 0:
-        pytest.skip(f"the SLURM daemons did not start (cluster.sh exit {r.returncode}): {(r.stdout + r.stderr)[-1500:]}")
+        pytest.skip(f"the SLURM daemons did not start (cluster.sh exit {r.returncode}): "
+                    f"{(r.stdout + r.stderr)[-1500:]}")
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     env["SLURM_CONF"] = str(d / "slurm.conf")
     return Cluster(d, env)
@@ -341,7 +345,8 @@ def test_smoke_pipeline_through_slurm_equals_local_and_recovers_from_scancel(clu
         (local_work / smoke / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, local_work / smoke / rel)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    local = subprocess.run([*SNAKEMAKE, "--cores", "2", "all", *SMOKE_CONFIG, "--config", "profile=smoke"], cwd=local_work,
+    local = subprocess.run([*SNAKEMAKE, "--cores", "2", "all", *SMOKE_CONFIG, "--config", "profile=smoke"],
+                           cwd=local_work,
                            env=env, capture_output=True, text=True, timeout=2400)
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
     assert "calibrate_device" not in local.stdout + local.stderr, "the local run must reuse the frozen calibration"

@@ -16,7 +16,8 @@ HEAVY = ("torch", "flashinfer", "pandas", "pyarrow", "numpy", "matplotlib", "sea
 
 def _loaded_after(code: str) -> set[str]:
     """Top-level modules of HEAVY that `code` leaves imported in a fresh interpreter."""
-    probe = f"import sys; sys.path.insert(0, {str(REPO)!r})\n{code}\nprint(' '.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
+    probe = (f"import sys; sys.path.insert(0, {str(REPO)!r})\n{code}\n"
+             f"print(' '.join(sorted(m for m in {HEAVY!r} if m in sys.modules)))")
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     return set(done.stdout.split()[-1:][0].split()) if done.stdout.split() else set()
@@ -31,7 +32,8 @@ def test_snakefile_parse_imports_nothing_heavy():
                        "pkv.config.typed", "pkv.config.workflow", "pkv.core.families", "pkv.report.spec"}
     # ... loads none of the heavy modules (the schema's engine names come from the torch-free table).
     assert _loaded_after("import yaml, jsonschema\nimport pkv.config.gpus, pkv.config.jobs, pkv.config.resolve, "
-                         "pkv.config.stages, pkv.config.typed, pkv.config.workflow, pkv.core.families, pkv.report.spec\n"
+                         "pkv.config.stages, pkv.config.typed, pkv.config.workflow, pkv.core.families, "
+                         "pkv.report.spec\n"
                          "pkv.config.resolve.load_schema()") == set()
 
 

@@ -103,7 +103,8 @@ def test_fractional_numeric_times_are_exact(tmp_path):
     ("m.jsonl", '{"timestamp": 0, "input_length": 4}\n', "line 1: missing column(s) output_length"),
     ("m.jsonl", '{"timestamp": "2023-11-16", "input_length": 4, "output_length": 2}\n',
      "line 1: field 'timestamp' must be a time in ms (digits, optional decimals; never a date), got '2023-11-16'"),
-    ("m.jsonl", '{"timestamp": 1e3, "input_length": 4, "output_length": 2}\n', "field 'timestamp' must be a time in ms"),
+    ("m.jsonl", '{"timestamp": 1e3, "input_length": 4, "output_length": 2}\n',
+     "field 'timestamp' must be a time in ms"),
     ("m.jsonl", '{"timestamp": true, "input_length": 4, "output_length": 2}\n', "field 'timestamp' must be a time"),
     ("m.jsonl", '{"timestamp": 0, "input_length": 4, "output_length": 2}\n{"timestamp": 5, "input_length": 4.5, '
      '"output_length": 2}\n', "line 2: field 'input_length' must be an integer, got 4.5"),

@@ -74,8 +74,10 @@ def write(tmp_path, name, text):
 
 def test_csv_json_jsonl_native(tmp_path):
     csv = write(tmp_path, "t.csv", "prompt_len,decode_len,arrival_step\n100,5,0\n200,6,3\n")
-    js = write(tmp_path, "t.json", json.dumps([{"prompt_len": 100, "decode_len": 5}, {"prompt_len": 200, "decode_len": 6}]))
-    wrapped = write(tmp_path, "w.json", json.dumps({"requests": [{"prompt_len": 1, "decode_len": 2, "arrival_step": 4}]}))
+    js = write(tmp_path, "t.json",
+               json.dumps([{"prompt_len": 100, "decode_len": 5}, {"prompt_len": 200, "decode_len": 6}]))
+    wrapped = write(tmp_path, "w.json",
+                    json.dumps({"requests": [{"prompt_len": 1, "decode_len": 2, "arrival_step": 4}]}))
     jsonl = write(tmp_path, "t.jsonl", '{"prompt_len": 100, "decode_len": 5}\n\n{"prompt_len": 200, "decode_len": 6}\n')
     a = load_trace(csv)
     assert a.prompt_len.tolist() == [100, 200] and a.arrival_step.tolist() == [0, 3]
@@ -113,7 +115,8 @@ def test_real_azure_trace():
     ("a.csv", "", "the file is empty"),
     ("a.csv", "prompt_len,decode_len\n", "has a header but no requests"),
     ("a.txt", "prompt_len,decode_len\n1,1\n", "unknown extension '.txt'"),
-    ("a.jsonl", '{"prompt_len": 1, "decode_len": 1}\n{"prompt_len": 1.5, "decode_len": 1}\n', "line 2: field 'prompt_len'"),
+    ("a.jsonl", '{"prompt_len": 1, "decode_len": 1}\n{"prompt_len": 1.5, "decode_len": 1}\n',
+     "line 2: field 'prompt_len'"),
     ("a.jsonl", '{"prompt_len": 1, "decode_len": 1}\n{oops\n', "line 2: not valid JSON"),
     ("a.json", '[{"prompt_len": 1, "decode_len": 1}, 7]', "item 1: expected an object"),
     ("a.json", '[{"prompt_len": 1, "decode_len": true}]', "item 0: field 'decode_len' must be an integer"),
@@ -139,7 +142,8 @@ def test_transform_is_explicit_and_recorded():
     t = apply_transform(base, Transform(prompt_scale=2.0, min_len=300, max_len=700, max_requests=2))
     # Scaled totals: 201, 401, 601, 801 -> keep 401 (arrival 0) and 601 (arrival 2), rebased to 0.
     assert t.prompt_len.tolist() == [400, 600] and t.arrival_step.tolist() == [0, 2]
-    assert t.meta["transform"] == {"prompt_scale": 2.0, "min_len": 300, "max_len": 700, "max_requests": 2, "kept": 2, "of": 4}
+    assert t.meta["transform"] == {"prompt_scale": 2.0, "min_len": 300, "max_len": 700, "max_requests": 2,
+                                   "kept": 2, "of": 4}
     with pytest.raises(ValueError, match="keeps none"):
         apply_transform(base, Transform(min_len=10_000))
     with pytest.raises(ValueError):

@@ -3,12 +3,12 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
-from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
 from pkv.core.validate import check_kv
+from pkv.engines import make_engine
+from pkv.plan.schedule import SplitPolicy
 
 SHAPE = Shape(8, 2, 64, 16, "float16")
 

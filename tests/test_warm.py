@@ -50,7 +50,8 @@ def test_without_cuda_it_records_that_nothing_was_built(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps(PAPER))
     out = tmp_path / "kernels.json"
-    done = subprocess.run([sys.executable, "-m", "pkv.cli", "build-kernels", "--config", str(config), "--out", str(out)],
+    done = subprocess.run([sys.executable, "-m", "pkv.cli", "build-kernels", "--config", str(config),
+                           "--out", str(out)],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     manifest = json.loads(out.read_text())

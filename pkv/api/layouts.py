@@ -63,7 +63,8 @@ def kv_view(kv_cache, layout: str = "HND") -> KvView:
             raise ValueError(f"K and V of layout {layout} must each be {_PAIR[layout]} and of one shape, "
                              f"got {list(k.shape)} and {list(v.shape)}")
         if k.dtype != v.dtype or k.device != v.device:
-            raise ValueError(f"K and V must share dtype and device, got {k.dtype} on {k.device}, {v.dtype} on {v.device}")
+            raise ValueError(f"K and V must share dtype and device, got {k.dtype} on {k.device}, "
+                             f"{v.dtype} on {v.device}")
         return KvView(_heads_first(k, layout), _heads_first(v, layout))
     if not isinstance(kv_cache, torch.Tensor):
         raise ValueError(f"kv_cache must be a tensor or a (K, V) pair of tensors, got {type(kv_cache).__name__}")

@@ -79,7 +79,8 @@ def _fail(what: str) -> None:
     raise ValueError(f"pkv decode: {what}")
 
 
-def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale) -> Shape:
+def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale,
+               v_scale) -> Shape:
     """Every refusal of the op, before launch (shapes, dtypes, devices, strides, limits); returns the Shape."""
     if q.dim() != 3:
         _fail(f"q must be [batch, num_qo_heads, head_dim], got {list(q.shape)}")
@@ -112,7 +113,8 @@ def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, lo
         _fail(f"every KV page, head and token must start on a {ALIGN}-byte boundary, got element strides "
               f"{k.stride()[:3]} of {k.element_size()} bytes")
     if block_table.dim() != 2 or block_table.dtype != torch.int32 or block_table.shape[0] != batch:
-        _fail(f"block_table must be int32 [batch={batch}, max_pages], got {block_table.dtype} {list(block_table.shape)}")
+        _fail(f"block_table must be int32 [batch={batch}, max_pages], got {block_table.dtype} "
+              f"{list(block_table.shape)}")
     if seq_lens.dim() != 1 or seq_lens.dtype != torch.int32 or seq_lens.shape[0] != batch:
         _fail(f"seq_lens must be int32 [batch={batch}], got {seq_lens.dtype} {list(seq_lens.shape)}")
     for name, t in (("block_table", block_table), ("seq_lens", seq_lens), ("q", q)):
@@ -140,7 +142,8 @@ def _check_values(view_pages: int, page: int, block_table: torch.Tensor, lens: n
     if (lens < 0).any() or (lens > block_table.shape[1] * page).any():
         _fail(f"seq_lens must be in 0..{block_table.shape[1] * page} (block_table width x page size), "
               f"got {lens.min()}..{lens.max()}")
-    used = np.concatenate([block_table[i, :-(-int(n) // page)].numpy() for i, n in enumerate(lens)] + [np.zeros(0, np.int32)])
+    used = np.concatenate([block_table[i, :-(-int(n) // page)].numpy() for i, n in enumerate(lens)]
+                          + [np.zeros(0, np.int32)])
     if len(used) and (used.min() < 0 or used.max() >= view_pages):
         _fail(f"block_table holds page ids {used.min()}..{used.max()}, the KV cache {view_pages} pages")
 

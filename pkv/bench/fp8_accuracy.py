@@ -53,9 +53,9 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> dict:
 
 
 def measure(data: list[str], seeds: list[int], engines: list[str], lens: list[int], shape, device: str) -> list[dict]:
-    from pkv.engines import make_engine
     from pkv.core.fp8 import POLICIES
     from pkv.core.harness import StepState
+    from pkv.engines import make_engine
     from pkv.kernels.reference import attention_reference
 
     rows = []

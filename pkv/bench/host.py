@@ -29,18 +29,18 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.core import io
-from pkv.measure.timing import HostClock, sync
 from pkv.bench.bars import BAR_FACTOR, BAR_US
-from pkv.core.cache import PagedCache
-from pkv.plan.costmodel import Constants
-from pkv.engines import make_engine, table
-from pkv.engines.flashinfer import plan as flashinfer_plan
-from pkv.core.harness import StepState
 from pkv.config.resolve import config_hash, device_of, load_config, shape_of
 from pkv.config.seeds import check_seed, stage_seeds
 from pkv.config.typed import Config
+from pkv.core import io
+from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages, flashinfer_view
+from pkv.engines import make_engine, table
+from pkv.engines.flashinfer import plan as flashinfer_plan
+from pkv.measure.timing import HostClock, sync
+from pkv.plan.costmodel import Constants
 from pkv.plan.schedule import SplitPolicy
 
 BATCHES = (1, 8, 32, 128)

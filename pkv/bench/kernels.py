@@ -25,8 +25,7 @@ import torch
 
 from pkv.bench.cases import BENCH_SEED, Case, KvArena, build_caches
 from pkv.core.units import K
-from pkv.engines.table import PKV_KERNEL, flashinfer, parse_spec, persistentkv   # the one table of engine names
-
+from pkv.engines.table import PKV_KERNEL, flashinfer, parse_spec, persistentkv  # the one table of engine names
 
 
 def homogeneous(max_tokens: int = 1 << 20) -> list[Case]:
@@ -212,8 +211,8 @@ def run_trace(args, cases, engines, command: str) -> int:
     import pandas as pd
 
     from pkv.core import io
-    from pkv.engines import make_engine
     from pkv.core.harness import StepState
+    from pkv.engines import make_engine
     from pkv.measure.timing import graph_us_per_call
 
     flags = os.environ.get("PKV_NVCC_FLAGS", "")
@@ -265,7 +264,8 @@ def run_trace(args, cases, engines, command: str) -> int:
                 f"{k}={row[k]:.2f}" for k in ("graph_us_trace_build", "span", "decode_span", "start_skew", "scan",
                                                "lengths_rt", "scan_math", "cut", "bt", "setup", "bt_rt", "issue",
                                                "first_kv", "steady", "drain_state", "v4_merge",
-                                               "merge_release_after_decode", "merge_work", "merge_end", "clock_ghz_measured")
+                                               "merge_release_after_decode", "merge_work", "merge_end",
+                                               "clock_ghz_measured")
                 if k in row),
                   flush=True)
             del es, calls, graph
@@ -308,8 +308,8 @@ def add_command(bench) -> None:
 def run(args, command: str) -> int:
     import pandas as pd
 
-    from pkv.core import io
     from pkv.bench.roofline import read_roofline
+    from pkv.core import io
 
     if not torch.cuda.is_available():
         raise ValueError("pkv bench kernels needs a CUDA device")

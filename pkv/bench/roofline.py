@@ -16,6 +16,14 @@ def read_roofline(gib: float = 4.0, reps: int = 15) -> dict[str, float]:
 
     The roofline is the faster of the two (medians after warm-up): a sum is a lower
     bound on what a read-only kernel can stream."""
+    result = _read_bandwidths(gib, reps)
+    torch.cuda.empty_cache()   # the probed tensors went with _read_bandwidths' frame
+    result["roofline"] = max(result["sum"], result["probe"])
+    return result
+
+
+def _read_bandwidths(gib: float, reps: int) -> dict[str, float]:
+    """GB/s of each probe over a `gib` GiB tensor that lives only as long as this call."""
     from pkv.kernels.loader import ops
 
     x = torch.randn(int(gib * 2**30) // 4, device="cuda")
@@ -26,7 +34,4 @@ def read_roofline(gib: float = 4.0, reps: int = 15) -> dict[str, float]:
     for name, fn in probes.items():
         times = [events_us(fn) for _ in range(reps + 3)][3:]
         result[name] = gib * 2**30 / (statistics.median(times) * 1e-6) / 1e9
-    del x, sink
-    torch.cuda.empty_cache()
-    result["roofline"] = max(result["sum"], result["probe"])
     return result

@@ -19,14 +19,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.core import io
-from pkv.engines import make_engine, table
-from pkv.core.harness import StepState
-from pkv.plan.schedule import SplitPolicy
 from pkv.bench.cases import BENCH_SEED, Case, build_caches
 from pkv.bench.roofline import read_roofline
+from pkv.core import io
+from pkv.core.harness import StepState
 from pkv.core.units import K
+from pkv.engines import make_engine, table
 from pkv.measure.timing import HostClock, events_us, graph_us_per_call
+from pkv.plan.schedule import SplitPolicy
 
 PKV_ENGINES = table.names("pkv")
 BASELINES = (*table.flashinfer(), *table.names("sdpa"))
@@ -163,7 +163,8 @@ def markdown(frame: pd.DataFrame, meta: dict, probes: dict[str, float], command:
         if r.error:
             lines.append(f"| {case} | {r.engine} | | failed: {r.error[:80]} | | | | |")
             continue
-        lines.append(f"| {case} | {r.engine} | {int(r.splits) if r.splits else ''} | {r.graph_us:.1f} | {r.events_us:.1f} | "
+        lines.append(f"| {case} | {r.engine} | {int(r.splits) if r.splits else ''} | {r.graph_us:.1f} | "
+                     f"{r.events_us:.1f} | "
                      f"{r.achieved_gbps:.0f} | {100 * r.frac_of_roofline:.1f} | {r.wall_us:.0f} |")
     return "\n".join(lines) + "\n"
 

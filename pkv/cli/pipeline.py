@@ -23,12 +23,21 @@ import sys
 from pathlib import Path
 
 from pkv.cli.args import integer, seed
-from pkv.core.io import atomic_write_text, check_inside, check_writable, file_hash, provenance, write_parquet
 from pkv.config.jobs import check_job, flag_of
-from pkv.config.resolve import (SMOKE_BANNER, ConfigError, check_config, check_constants, config_hash, load_config,
-                                load_schema, validate_config, write_config)
+from pkv.config.resolve import (
+    SMOKE_BANNER,
+    ConfigError,
+    check_config,
+    check_constants,
+    config_hash,
+    load_config,
+    load_schema,
+    validate_config,
+    write_config,
+)
 from pkv.config.stages import STAGES, by_command
 from pkv.config.typed import Config
+from pkv.core.io import atomic_write_text, check_inside, check_writable, file_hash, provenance, write_parquet
 
 
 def add_commands(sub) -> None:

@@ -22,8 +22,10 @@ def add_commands(sub) -> None:
     # Limits as the trace's own (pkv.core.traces): checked here, before anything is generated.
     show.add_argument("--seed", type=seed, default=20260623, help="synthetic trace seed")
     show.add_argument("--num-requests", type=integer(1, MAX_REQUESTS), default=16, help="synthetic trace: requests")
-    show.add_argument("--decode-min", type=integer(1, MAX_LEN), default=16, help="synthetic trace: shortest decode length")
-    show.add_argument("--decode-max", type=integer(1, MAX_LEN), default=64, help="synthetic trace: longest decode length")
+    show.add_argument("--decode-min", type=integer(1, MAX_LEN), default=16,
+                      help="synthetic trace: shortest decode length")
+    show.add_argument("--decode-max", type=integer(1, MAX_LEN), default=64,
+                      help="synthetic trace: longest decode length")
     show.add_argument("--step-ms", type=positive_number(MAX_STEP_MS), default=100.0,
                       help="step length for timestamped files, at most a day")
     show.add_argument("--columns", type=_column_map, help="read --file by these columns: prompt=NAME,decode=NAME"
@@ -76,7 +78,8 @@ def summarize(trace: Trace, shape, max_active: int) -> str:
     source = " ".join(str(trace.meta[k]) for k in ("source", "schema") if k in trace.meta)   # file mooncake
     lines = [f"trace        {trace.name}  ({source}, sha256 {trace.checksum()[:16]})",
              f"requests     {len(trace)}"]
-    for label, values in (("prompt_len", trace.prompt_len), ("decode_len", trace.decode_len), ("total_len", trace.total_len)):
+    for label, values in (("prompt_len", trace.prompt_len), ("decode_len", trace.decode_len),
+                          ("total_len", trace.total_len)):
         pct = np.percentile(values, q).round().astype(int)
         lines.append(f"{label:<12} " + "  ".join(f"p{p}={v}" for p, v in zip(q, pct)))
     lines.append(f"arrivals     steps {int(trace.arrival_step.min())}..{int(trace.arrival_step.max())}")

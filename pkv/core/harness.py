@@ -55,7 +55,8 @@ def decode_steps(trace: Trace, max_active: int, max_steps: int | None = None) ->
         # Every emitted step decodes at least one token, so this bounds the steps emitted.
         bound = int(np.sum(trace.decode_len, dtype=np.int64))
         if bound > MAX_SIMULATED_STEPS:
-            raise ValueError(f"trace {trace.name!r} decodes {bound} tokens in all; simulating it step by step could take "
+            raise ValueError(f"trace {trace.name!r} decodes {bound} tokens in all; "
+                             "simulating it step by step could take "
                              f"up to {bound} steps, above MAX_SIMULATED_STEPS {MAX_SIMULATED_STEPS}: pass max_steps")
     order = np.argsort(trace.arrival_step, kind="stable")
     waiting = deque(int(i) for i in order)
@@ -92,7 +93,8 @@ class StepMetadata:
 def step_metadata(state: StepState, assignment: PageAssignment, block_table: np.ndarray | None = None) -> StepMetadata:
     """Both views of one step; pass the assignment's precomputed block table to save work."""
     table = assignment.block_table() if block_table is None else block_table
-    return StepMetadata(state.seq_lens, table[state.request_ids], flashinfer_view(assignment, state.request_ids, state.seq_lens))
+    return StepMetadata(state.seq_lens, table[state.request_ids],
+                        flashinfer_view(assignment, state.request_ids, state.seq_lens))
 
 
 def peak_active(trace: Trace, max_active: int) -> int:

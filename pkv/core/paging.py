@@ -47,7 +47,8 @@ class PageAssignment:
         return self.pages[self.page_offsets[:-1, None] + col].astype(np.int32)
 
 
-def assign_pages(total_lens: np.ndarray, page_size: int, holes: float, seed: int, granularity: int | None = None) -> PageAssignment:
+def assign_pages(total_lens: np.ndarray, page_size: int, holes: float, seed: int,
+                 granularity: int | None = None) -> PageAssignment:
     total_lens = np.asarray(total_lens, dtype=np.int64)
     if total_lens.ndim != 1 or len(total_lens) == 0 or total_lens.min() < 1:
         raise ValueError("total_lens must be a non-empty 1-D array of positive lengths")

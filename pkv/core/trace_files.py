@@ -40,8 +40,15 @@ from typing import Iterable
 
 import numpy as np
 
-from pkv.core.json_strict import (MAX_DIGITS, MAX_JSON_DEPTH, DuplicateKey, JsonLongInt, JsonNumber, TooDeep,
-                                  strict_loads)
+from pkv.core.json_strict import (
+    MAX_DIGITS,
+    MAX_JSON_DEPTH,
+    DuplicateKey,
+    JsonLongInt,
+    JsonNumber,
+    TooDeep,
+    strict_loads,
+)
 from pkv.core.traces import MAX_ARRIVAL_STEP, MAX_LEN, MAX_REQUESTS, Trace, Transform, _trace, apply_transform
 
 
@@ -193,7 +200,8 @@ def detect(path: Path, names: list[str]) -> Format:
             return f
     nearest = max(FORMATS, key=lambda f: sum(c in names for c in f.needed))   # ties: the first (native)
     missing = [c for c in nearest.needed if c not in names]
-    raise TraceFileError(f"{path}:line 1: missing column(s) {', '.join(missing)} (found: {', '.join(names) or 'none'}); "
+    raise TraceFileError(f"{path}:line 1: missing column(s) {', '.join(missing)} "
+                         f"(found: {', '.join(names) or 'none'}); "
                          f"formats: {', '.join(f.name for f in FORMATS)}, or {MAPPING_HINT}")
 
 
@@ -359,7 +367,8 @@ def load_trace(path: str | Path, step_ms: float = 100.0, transform: Transform | 
         steps = [(a - first) // step_ns for a in arrival]
         if max(steps) > MAX_ARRIVAL_STEP:
             raise TraceFileError(f"{path}: the timestamps span {max(steps)} steps of {step_ms} ms, above the "
-                                 f"maximum of {MAX_ARRIVAL_STEP} (pkv.core.traces.MAX_ARRIVAL_STEP); use a longer --step-ms")
+                                 f"maximum of {MAX_ARRIVAL_STEP} (pkv.core.traces.MAX_ARRIVAL_STEP); "
+                                 "use a longer --step-ms")
         arrival = steps
         meta["step_ms"] = step_ms
     trace = _trace(path.stem, np.asarray(arrival, dtype=np.int64), prompt, decode, meta)

@@ -46,7 +46,8 @@ class Trace:
         if self.prompt_len.min() < 1 or self.decode_len.min() < 1 or self.arrival_step.min() < 0:
             raise ValueError(f"trace {self.name!r} has a non-positive length or a negative arrival step")
         if len(self.prompt_len) > MAX_REQUESTS:
-            raise ValueError(f"trace {self.name!r} has {len(self.prompt_len)} requests, above MAX_REQUESTS {MAX_REQUESTS}")
+            raise ValueError(f"trace {self.name!r} has {len(self.prompt_len)} requests, "
+                             f"above MAX_REQUESTS {MAX_REQUESTS}")
         # Each term is checked alone first: their sum must not wrap around int64 either.
         total = np.maximum(self.prompt_len, self.decode_len)
         total = np.where(total > MAX_LEN, total, self.prompt_len + self.decode_len)

@@ -23,12 +23,11 @@ from dataclasses import dataclass
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.costmodel import GRAPH, Constants, Router
-from pkv.engines.table import pkv_engines, pkv_routes
-from pkv.engines.base import Engine, Plan
 from pkv.core.harness import StepState
+from pkv.engines.base import Engine, Plan
+from pkv.engines.table import pkv_engines, pkv_routes
+from pkv.plan.costmodel import GRAPH, Constants, Router
 from pkv.plan.schedule import SplitPolicy
-
 
 
 @dataclass

@@ -9,8 +9,8 @@ import torch
 
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
-from pkv.plan.schedule import Counters
 from pkv.core.validate import check_lengths, check_query
+from pkv.plan.schedule import Counters
 
 
 @dataclass

@@ -7,9 +7,9 @@ from dataclasses import dataclass
 import torch
 
 from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState
 from pkv.engines.base import Engine, Plan
 from pkv.engines.table import REFERENCE
-from pkv.core.harness import StepState
 from pkv.kernels.reference import attention_reference, run_schedule
 from pkv.plan.schedule import Schedule, SplitPolicy, bucket_schedule, masked_schedule, workqueue_schedule
 

@@ -7,12 +7,12 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines.base import Engine, Plan
-from pkv.engines.common import num_sms
-from pkv.engines.table import info
 from pkv.core.harness import StepState
 from pkv.core.paging import flashinfer_view
 from pkv.core.validate import check_kv
+from pkv.engines.base import Engine, Plan
+from pkv.engines.common import num_sms
+from pkv.engines.table import info
 
 WORKSPACE_BYTES = 128 << 20   # FlashInfer's recommended float workspace (128 MB)
 

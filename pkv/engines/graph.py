@@ -13,18 +13,24 @@ On a CPU cache the same rule runs through pkv.kernels.reference.run_schedule
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.plan.device_schedule import (GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE, MAX_PIECE_COST,
-                                      MAX_SPIN_NS, PIECE_COST, graph_schedule)
+from pkv.core.harness import StepState
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging
-from pkv.core.harness import StepState
 from pkv.kernels.reference import run_schedule
 from pkv.plan.costmodel import graph_cost
+from pkv.plan.device_schedule import (
+    GRAPH_MAX_ROWS,
+    GRAPH_MIN_TILES,
+    MAX_COUNTER_STRIDE,
+    MAX_PIECE_COST,
+    MAX_SPIN_NS,
+    PIECE_COST,
+    graph_schedule,
+)
 from pkv.plan.schedule import Counters, slot_floats
 
 HEAD_DIMS = (64, 128, 256)
@@ -137,7 +143,8 @@ class GraphEngine(Engine):
         out = torch.empty_like(q)
         if self.gpu:
             r, sc = plan.rows, c.scales     # FP8: the layer's scales, read per call
-            scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale, "v_scale": sc.v_scale}
+            scales = {} if sc is None else {"page_scales": sc.page_factors, "k_scale": sc.k_scale,
+                                            "v_scale": sc.v_scale}
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
                                   piece_cost=self.piece_cost, counter_stride=self.counter_stride, spin_ns=self.spin_ns)

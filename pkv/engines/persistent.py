@@ -14,14 +14,21 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState
+from pkv.core.validate import check_kv
 from pkv.engines.base import Engine, Plan
 from pkv.engines.common import PinnedStaging, num_sms
 from pkv.engines.cpu import build_schedule
 from pkv.engines.table import info, pkv_engines
-from pkv.core.harness import StepState
-from pkv.plan.schedule import (Counters, Schedule, SplitPolicy, slot_bytes, slot_floats, split_bounds,
-                          workqueue_row_splits)
-from pkv.core.validate import check_kv
+from pkv.plan.schedule import (
+    Counters,
+    Schedule,
+    SplitPolicy,
+    slot_bytes,
+    slot_floats,
+    split_bounds,
+    workqueue_row_splits,
+)
 
 MODE_DIRECT, MODE_PARTIAL, MODE_FUSED, MODE_CLUSTER = 0, 1, 2, 3
 MAX_SPLITS = 256  # kMaxSegSlots in csrc/pkv_decode.cu

@@ -35,4 +35,5 @@ def no_policy(name: str, policy) -> None:
 def check_options(name: str, options: dict, allowed) -> None:
     unknown = set(options) - set(allowed)
     if unknown:
-        raise ValueError(f"engine {name!r} takes no option(s) {sorted(unknown)}; its options: {sorted(allowed) or 'none'}")
+        raise ValueError(f"engine {name!r} takes no option(s) {sorted(unknown)}; "
+                         f"its options: {sorted(allowed) or 'none'}")

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines.base import Engine, Plan
-from pkv.engines.common import PinnedStaging
 from pkv.core.harness import StepState
 from pkv.core.validate import check_kv
+from pkv.engines.base import Engine, Plan
+from pkv.engines.common import PinnedStaging
 
 
 @dataclass

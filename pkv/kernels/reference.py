@@ -17,7 +17,8 @@ import torch
 from pkv.plan.schedule import Schedule
 
 
-def gather_tokens(kv: torch.Tensor, block_table_row: torch.Tensor, begin: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+def gather_tokens(kv: torch.Tensor, block_table_row: torch.Tensor, begin: int,
+                  end: int) -> tuple[torch.Tensor, torch.Tensor]:
     """K and V of tokens [begin, end) of one row as FP32 [kv_heads, n, head_dim]."""
     page_size = kv.shape[3]
     t = torch.arange(begin, end, device=kv.device)

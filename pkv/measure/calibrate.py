@@ -42,15 +42,15 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.engines.table import PKV_KERNEL, pkv_engines, pkv_routes, route_key
-from pkv.plan.costmodel import BaselineFit, GraphFit, Constants, RouteCost, RouteFit, estimate
-from pkv.measure.loop import Job, measure
-from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin, with_device_scale
-from pkv.measure.sweep_rows import device_s, grid_rows, measured_s, replayed
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
+from pkv.engines.table import PKV_KERNEL, pkv_engines, pkv_routes, route_key
+from pkv.measure.loop import Job, measure
+from pkv.measure.overlapped_margin import device_by_step, fit_overlapped_margin, with_device_scale
 from pkv.measure.stages import build_cache, build_engines, steps_of, synthetic_trace, tolerance
+from pkv.measure.sweep_rows import device_s, grid_rows, measured_s, replayed
 from pkv.measure.timing import HostClock, sync
+from pkv.plan.costmodel import BaselineFit, Constants, GraphFit, RouteCost, RouteFit, estimate
 from pkv.plan.device_schedule import GRAPH_MIN_TILES, PIECE_COST
 
 FIT_CTAS = tuple(2 ** i for i in range(8))
@@ -205,7 +205,8 @@ def fit_device_terms(frame: pd.DataFrame, beta: float, sm_count: int) -> tuple[f
     return float(best[1]), float(best[2])
 
 
-def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int, num_kv_heads: int) -> float:
+def fit_baseline_ctas(frame: pd.DataFrame, baseline: str, k: Constants, kv_bytes_per_token: int,
+                      num_kv_heads: int) -> float:
     rows = frame[frame["engine"] == baseline]
     measured = measured_s(rows)
 

@@ -33,10 +33,10 @@ import pandas as pd
 import torch
 from tqdm import tqdm
 
-from pkv.config.typed import Tolerance   # the config's tolerance section, used as is
+from pkv.config.typed import Tolerance  # the config's tolerance section, used as is
 from pkv.core.cache import PagedCache
-from pkv.engines import Engine
 from pkv.core.harness import StepState, step_seed
+from pkv.engines import Engine
 from pkv.kernels.reference import attention_reference, tensor_lens
 from pkv.measure.timing import L2_FLUSH_BYTES, Timer  # noqa: F401 - both were defined here; kept importable
 

@@ -55,8 +55,18 @@ from pkv.core.paging import PageAssignment
 from pkv.core.shape import Shape
 from pkv.engines import table
 from pkv.engines.model import DecoderModel, Runner, step_input
-from pkv.measure.model_plan import (ModelStepPlan, TraceJob, adaptive_point, bucket_of, build_plan, first_steps,
-                                    fitted, kv_bytes, settings, spread_steps)
+from pkv.measure.model_plan import (
+    ModelStepPlan,
+    TraceJob,
+    adaptive_point,
+    bucket_of,
+    build_plan,
+    first_steps,
+    fitted,
+    kv_bytes,
+    settings,
+    spread_steps,
+)
 from pkv.measure.model_runners import build_runners
 from pkv.measure.stages import external_trace, layer_assignment, layer_caches, synthetic_trace
 from pkv.measure.timing import StepClock
@@ -70,7 +80,8 @@ COLUMNS = {
     "num_qo_heads": "int32", "num_kv_heads": "int32", "mlp": "int32", "dtype": "string", "kv_dtype": "string",
     "kv_layers": "int32", "trace": "string", "family": "string", "seed": "int64", "max_active": "int32",
     "bucket": "int32", "engine": "string", "route": "string", "launch": "string", "kind": "string",
-    "step": "int32", "active": "int32", "total_tokens": "int64", "max_len": "int32", "steps": "int32", "tokens": "int64",
+    "step": "int32", "active": "int32", "total_tokens": "int64", "max_len": "int32", "steps": "int32",
+    "tokens": "int64",
     "wall_s": "float64", "prepare_s": "float64", "device_s": "float64",
     "rel_err": "float64", "max_rel_err": "float64", "failed": "bool",
 }
@@ -133,9 +144,11 @@ def measure_job(plan: ModelStepPlan, model: DecoderModel, caches: list[PagedCach
     tokens = int(sum(st.active for st in steps))
     for label in labels[len(steps) % len(labels):] + labels[:len(steps) % len(labels)]:
         walls = [clock.pipelined(runners[label], steps, buckets) for _ in range(plan.repeats)]
-        rows.append({**base, "bucket": bucket_of(max_active, plan.buckets), "engine": label, "route": runners[label].route,
+        rows.append({**base, "bucket": bucket_of(max_active, plan.buckets), "engine": label,
+                     "route": runners[label].route,
                      "launch": runners[label].launch_kind, "kind": "pipelined", "step": -1,
-                     "active": round(tokens / len(steps)), "total_tokens": int(sum(int(np.sum(st.seq_lens)) for st in steps)),
+                     "active": round(tokens / len(steps)),
+                     "total_tokens": int(sum(int(np.sum(st.seq_lens)) for st in steps)),
                      "max_len": int(max(int(np.max(st.seq_lens)) for st in steps)), "steps": len(steps),
                      "tokens": tokens, "wall_s": statistics.median(walls), "prepare_s": math.nan,
                      "device_s": math.nan, "rel_err": math.nan, "max_rel_err": math.nan, "failed": False})

@@ -26,7 +26,8 @@ METRIC_COLUMNS = {
 }
 # Factors into the column's unit: microseconds, GB/s, MB, percent.
 UNITS = {
-    "time": {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3, "s": 1e6, "second": 1e6},
+    "time": {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+             "s": 1e6, "second": 1e6},
     "rate": {f"{p}byte/{s}": f * 1e-9 for p, f in (("", 1), ("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12))
              for s in ("s", "second")},
     "bytes": {f"{p}byte": f * 1e-6 for p, f in (("", 1), ("K", 1e3), ("M", 1e6), ("G", 1e9), ("T", 1e12))},
@@ -68,14 +69,15 @@ def _number(raw: str) -> float:
 
 def parse_ncu_csv(path: str | Path) -> pd.DataFrame:
     path = Path(path)
-    lines = [l for l in path.read_text().splitlines() if l.strip() and not l.startswith("==")]
+    lines = [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("==")]
     if not lines:
         raise NcuCsvError(f"{path}: no CSV rows (did ncu capture any kernel that matched its filter?)")
     reader = csv.DictReader(io.StringIO("\n".join(lines)))
     need = {*ID_COLUMNS, "Metric Name", "Metric Unit", "Metric Value"}
     missing = need - set(reader.fieldnames or [])
     if missing:
-        raise NcuCsvError(f"{path}: not an `ncu --csv --metrics` capture; missing column(s) {', '.join(sorted(missing))}")
+        raise NcuCsvError(f"{path}: not an `ncu --csv --metrics` capture; "
+                          f"missing column(s) {', '.join(sorted(missing))}")
     rows: dict[str, dict] = {}
     for n, rec in enumerate(reader, start=2):
         row = rows.setdefault(rec["ID"], {v: rec[k] for k, v in ID_COLUMNS.items()})
@@ -110,7 +112,8 @@ def table5(frame: pd.DataFrame, roofline_gbps: float) -> pd.DataFrame:
 def add_commands(sub) -> None:
     p = sub.add_parser("nsight-parse", help="parse an ncu CSV capture into per-invocation Parquet (Table 5)")
     p.add_argument("--csv", required=True, help="the capture (`pkv nsight` output)")
-    p.add_argument("--run", required=True, help="the Parquet of the profiled trace run; its provenance is the capture's")
+    p.add_argument("--run", required=True,
+                   help="the Parquet of the profiled trace run; its provenance is the capture's")
     p.add_argument("--constants", required=True, help="calibration constants: beta is the read roofline")
     p.add_argument("--out", required=True)
     p.set_defaults(func=parse_cmd)

@@ -27,7 +27,6 @@ import dataclasses
 import math
 
 import numpy as np
-
 import pandas as pd
 
 from pkv.config.resolve import point_key, shape_of

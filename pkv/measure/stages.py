@@ -16,19 +16,19 @@ import numpy as np
 import pandas as pd
 import torch
 
-from pkv.core.cache import PagedCache
-from pkv.plan.costmodel import Constants
-from pkv.engines import make_engine, table
-from pkv.engines.base import Engine
-from pkv.core.harness import StepState, decode_steps
-from pkv.measure.loop import Job, Tolerance, measure
 from pkv.config.resolve import device_of, point_key, shape_of
 from pkv.config.typed import Config
+from pkv.core.cache import PagedCache
+from pkv.core.harness import StepState, decode_steps
 from pkv.core.paging import PageAssignment, assign_pages, compact
-from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
 from pkv.core.trace_files import columns, load_trace
 from pkv.core.traces import SyntheticSpec, Trace, Transform, synthetic
+from pkv.engines import make_engine, table
+from pkv.engines.base import Engine
+from pkv.measure.loop import Job, Tolerance, measure
+from pkv.plan.costmodel import Constants
+from pkv.plan.schedule import SplitPolicy
 
 Result = tuple[pd.DataFrame, dict]
 
@@ -49,7 +49,8 @@ def build_engine(spec: str, cache: PagedCache, k: Constants, point: str, split: 
     return make_engine(name, cache, **options)
 
 
-def build_engines(specs: list[str], cache: PagedCache, k: Constants, point: str, split: int | None = None) -> dict[str, Engine]:
+def build_engines(specs: list[str], cache: PagedCache, k: Constants, point: str,
+                  split: int | None = None) -> dict[str, Engine]:
     return {spec: build_engine(spec, cache, k, point, split) for spec in specs}
 
 
@@ -107,7 +108,8 @@ def tolerance(cfg: Config | dict) -> Tolerance:
 
 
 def _meta(trace: Trace, **extra) -> dict:
-    return {"trace_meta": json.dumps(trace.meta, sort_keys=True, default=str), "trace_sha256": trace.checksum(), **extra}
+    return {"trace_meta": json.dumps(trace.meta, sort_keys=True, default=str), "trace_sha256": trace.checksum(),
+            **extra}
 
 
 def _run(cfg: Config, job: Job, trace: Trace, shape: Shape, specs: list[str], k: Constants, point: str, *,
@@ -252,7 +254,8 @@ def ablation(cfg: Config | dict, k: Constants, name: str, seed: int) -> Result:
     trace = synthetic_trace(cfg, c.family, seed)
     shape = _shape(cfg)
     job = Job(name, trace.name, c.family, c.max_active, seed, shape.group)
-    return _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(c.family, c.max_active)), _meta(trace)
+    return (_run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(c.family, c.max_active)),
+            _meta(trace))
 
 
 def gated_mlp(shape: Shape, width: int, seed: int):

@@ -29,8 +29,8 @@ from typing import Callable, Sequence
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines import Engine
 from pkv.core.harness import StepState
+from pkv.engines import Engine
 
 L2_FLUSH_BYTES = 256 << 20   # > 2x the L2 of any current GPU
 

@@ -67,10 +67,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
-from pkv.plan.schedule import (TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, workqueue_row_splits)
 from pkv.core.shape import Shape
-
+from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
+from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, workqueue_row_splits
 
 OBJECTIVES = ("serial", "overlapped")   # the words of pkv.engines.table.ENUM_OPTIONS["objective"]
 GRAPH = "graph"                          # pkv-graph's route key (pkv.engines.table.pkv_routes)
@@ -211,7 +210,8 @@ class Constants:
         """Frozen split of route `kind` ("workqueue" or "bucket") at operating point `point`; an
         engine runs at the split of its row's `split_route` (pkv.engines.table)."""
         if point not in self.operating_points:
-            raise ValueError(f"no frozen operating point {point!r}; calibrated: {', '.join(sorted(self.operating_points))}")
+            raise ValueError(f"no frozen operating point {point!r}; "
+                             f"calibrated: {', '.join(sorted(self.operating_points))}")
         return int(self.operating_points[point][kind])
 
     def at(self, point: str) -> "Constants":
@@ -385,8 +385,8 @@ def workqueue_counts(lens, policy: SplitPolicy) -> tuple[int, int, int, int]:
         longest_task = int(np.minimum(-(-tiles // splits) * TILE_TOKENS, lens).max())
     else:
         tasks, most = sum(splits), max(splits)
-        # task_tokens, inlined
-        longest_task = max([min(-(-(-(-n // TILE_TOKENS)) // s) * TILE_TOKENS, n) for n, s in zip(lens, splits)])
+        # task_tokens, inlined: ceil(ceil(n / TILE_TOKENS) / s) tiles is ceil(n / (TILE_TOKENS * s)) tiles
+        longest_task = max([min(-(-n // (TILE_TOKENS * s)) * TILE_TOKENS, n) for n, s in zip(lens, splits)])
     merging = most > 1
     return tasks, 1 + merging, tasks if merging else 0, longest_task
 

@@ -150,19 +150,19 @@ class Schedule:
 
     def counters(self, shape: Shape, seq_lens: np.ndarray, num_sms: int, extra_launches: int = 0) -> Counters:
         token_bytes_per_head = shape.kv_bytes_per_head_token
-        spans = [l.tasks[:, 4] - l.tasks[:, 3] for l in self.launches]   # tokens each task reads
+        spans = [launch.tasks[:, 4] - launch.tasks[:, 3] for launch in self.launches]   # tokens each task reads
         read_tokens = sum(int(s.sum()) for s in spans)
-        merging = [l for l in self.launches if l.needs_merge]
+        merging = [launch for launch in self.launches if launch.needs_merge]
         return Counters(
             decode_launches=len(self.launches),
             merge_launches=len(merging),
             extra_launches=extra_launches,
-            decode_ctas=sum(l.num_tasks for l in self.launches),
-            empty_ctas=sum(int((l.tasks[:, 3] >= l.tasks[:, 4]).sum()) for l in self.launches),
+            decode_ctas=sum(launch.num_tasks for launch in self.launches),
+            empty_ctas=sum(int((launch.tasks[:, 3] >= launch.tasks[:, 4]).sum()) for launch in self.launches),
             num_sms=num_sms,
             useful_kv_bytes=int(np.asarray(seq_lens, dtype=np.int64).sum()) * shape.kv_bytes_per_token,
             read_kv_bytes=read_tokens * token_bytes_per_head,
-            merge_bytes=sum(l.num_tasks for l in merging) * slot_bytes(shape),
+            merge_bytes=sum(launch.num_tasks for launch in merging) * slot_bytes(shape),
             task_kv_bytes=max(int(s.max()) for s in spans) * token_bytes_per_head,
         )
 

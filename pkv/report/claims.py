@@ -1,13 +1,11 @@
 """The paper's claims beside this run's numbers, each with a verdict computed by one rule.
 
-Each claim is data here: the paper's number as quoted (its table or section), how this
-run's number is read from the Parquet (the same rows and the same arithmetic as the
-table that shows it: pkv.report.ratios over pkv.report.load's frames; tests/test_claims.py
-checks each against that table's cell), the kind of claim, and a one-clause "why" that
-describes the measurement, so it stays true whatever the verdict. The verdict is never
-written here: `verdict()` computes it from the two numbers by the rule stated in the
-table (RULE). Rendered by pkv.report.artifacts.claims_md (`pkv report --target
-.../tables/claims.md`).
+Each claim is data here: the paper's number as quoted (its table or section), how this run's number is read from the
+Parquet (the same rows and the same arithmetic as the table that shows it: pkv.report.ratios over pkv.report.load's
+frames; tests/test_claims.py checks each against that table's cell), the kind of claim, and a one-clause "why" that
+describes the measurement, so it stays true whatever the verdict. The verdict is never written here: `verdict()`
+computes it from the two numbers by the rule stated in the table (RULE). Rendered by pkv.report.artifacts.claims_md
+(`pkv report --target .../tables/claims.md`).
 """
 
 from __future__ import annotations
@@ -37,12 +35,11 @@ VERDICTS = (REPRODUCED, STRONGER, WEAKER, NOT_REPRODUCED, REVERSED, NOT_MEASURED
 
 RULE = (f"Verdict rule (`pkv.report.claims.verdict`): a ratio is > 1 above {1 + BAND:.2f}, < 1 below {1 - BAND:.2f}, "
         f"≈ 1 between. **reproduced**: this run's ratio is on the paper's side of 1 and within a factor {FACTOR} of "
-        f"the paper's ratio; **direction only**: the same side, beyond that factor (stronger: further from 1; "
-        f"weaker: nearer); **not reproduced**: one of the two is ≈ 1 and the other is not; **reversed**: opposite "
-        f"sides. A claim of a side only (wins, loses) is reproduced on that side, reversed on the other; a "
-        f"no-regression claim is reproduced at ≥ {1 - BAND:.2f}; a route claim when every modal route is the "
-        f"paper's kind; a tolerance claim when the largest error is under it. **not measured**: this run has no "
-        f"such rows.")
+        f"the paper's ratio; **direction only**: the same side, beyond that factor (stronger: further from 1; weaker: "
+        f"nearer); **not reproduced**: one of the two is ≈ 1 and the other is not; **reversed**: opposite sides. A "
+        f"claim of a side only (wins, loses) is reproduced on that side, reversed on the other; a no-regression claim "
+        f"is reproduced at ≥ {1 - BAND:.2f}; a route claim when every modal route is the paper's kind; a tolerance "
+        f"claim when the largest error is under it. **not measured**: this run has no such rows.")
 
 
 def side(x: float) -> str:
@@ -137,7 +134,8 @@ def _pkv(engine: str) -> bool:
     return table.persistentkv(engine)
 
 
-def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv, den_pick: Callable[[str], bool] | None = None) -> Measure:
+def isolated_ratio(context: int, num_pick: Callable[[str], bool] = _pkv,
+                   den_pick: Callable[[str], bool] | None = None) -> Measure:
     """Latency ratio at `context`: the fastest numerator engine over the fastest denominator
     engine (None: FlashInfer's fastest variant)."""
     def measure(d: Data):
@@ -267,12 +265,14 @@ class Claim:
     expect: object = None   # the side, route kind or tolerance a claim of that kind names
 
 
-WALL = "wall time adds each step's host work (FlashInfer's plan(), a PersistentKV route's metadata copy) to its device work"
+WALL = ("wall time adds each step's host work (FlashInfer's plan(), a PersistentKV route's metadata copy) "
+        "to its device work")
 CUDA = "CUDA events time a step's queued device work and launch gaps, not its host planning"
 ROUTE = ("the route is the cost model's pick from constants calibrated on this GPU (supported groups, minimum context "
          "and promotion margins in calibration/constants.json), not the paper's RTX 3060 gates")
 NOREG = "no regression holds whichever route the adaptive policy takes, if it keeps FlashInfer's throughput"
-ISO = "one call's device time at B1; at long context both kernels are bound by HBM reads, so the ratio is fixed cost and split efficiency"
+ISO = ("one call's device time at B1; at long context both kernels are bound by HBM reads, so the ratio is fixed "
+       "cost and split efficiency")
 
 _B8 = [("bimodal", "Bimodal B8", 1.080, "1.080±0.050", 1.106, "1.106±0.042"),
        ("uniform", "Uniform B8", 1.044, "1.044±0.022", 1.076, "1.076±0.029"),
@@ -287,7 +287,8 @@ CLAIMS: list[Claim] = [
           "ratio", isolated_ratio(65536, lambda e: e == table.the(family="sdpa"), _pkv),
           "the repack baseline copies the paged KV into contiguous tensors before attention, every call"),
     Claim("Table 1, §4.2", "PersistentKV auto split ÷ vLLM PagedAttention latency, 64K", 0.794, "0.794 (vLLM 0.6.4)",
-          "ratio", isolated_ratio(65536, _pkv, lambda e: e.startswith("vllm")), "vLLM (and TensorRT-LLM) are measured only where the isolated stage's engine set names them"),
+          "ratio", isolated_ratio(65536, _pkv, lambda e: e.startswith("vllm")),
+          "vLLM (and TensorRT-LLM) are measured only where the isolated stage's engine set names them"),
     Claim("Abstract, Table 2", "Bucketed B1 wall tok/s ratio, adaptive ÷ FlashInfer", 1.403, "1.403±0.065", "ratio",
           serve_ratio("bucketed", 1, "wall"), WALL),
     Claim("Table 2", "Bucketed B1 CUDA tok/s ratio", 1.471, "1.471±0.037", "ratio", serve_ratio("bucketed", 1, "cuda"),
@@ -305,8 +306,8 @@ CLAIMS: list[Claim] = [
     Claim("Abstract, Table 2", "B8 bimodal / uniform / Zipf route", None, "PersistentKV workqueue, splits 20 / 24 / 28",
           "route", routes("serve", [dict(family=f, max_active=8) for f, *_ in _B8]), ROUTE, "PersistentKV workqueue"),
     Claim("§3.6, §3.9", "Serving correctness: largest max abs error under 2e-3 (FP32 comparison)", 6.104e-5,
-          "6.104e-05", "limit", max_error,
-          "every served step is compared with the correctness baseline before timing", 2e-3),
+          "6.104e-05", "limit", max_error, "every served step is compared with the correctness baseline "
+          "before timing", 2e-3),
     Claim("Table 3", "Attention + MLP tail (1 layer, bimodal B8) wall tok/s ratio", 1.105, "1.105±0.061", "ratio",
           serve_ratio("", 0, "wall", "mlp_proxy", ("seed", "layers"), layers=1),
           "the dense MLP tail adds the same device time to both engines, diluting the attention ratio"),
@@ -323,7 +324,8 @@ CLAIMS: list[Claim] = [
     Claim("Table 4", "Bimodal B8 merge launches/step, buckets ÷ workqueue", 8.0, "8.00× (8.00 → 1.00)", "ratio",
           counters("merge_launches"), "scheduler counts: one merge per length bucket against one segmented merge"),
     Claim("Table 4", "Bimodal B8 merge MB/step, buckets ÷ workqueue", 4.06 / 2.54, "1.60× (4.06 → 2.54)", "ratio",
-          counters("merge_bytes", 1e-6), "merge traffic is the split states written, so it follows each route's frozen split"),
+          counters("merge_bytes", 1e-6),
+          "merge traffic is the split states written, so it follows each route's frozen split"),
     Claim("Table 5", "Nsight: PersistentKV decode ÷ FlashInfer decode kernel time", 1.263 / 2.271,
           "0.556 (1.263 ÷ 2.271 ms)", "ratio", nsight("Time ms", ".4f", "ms"),
           "a short profiled B8 bimodal trace; FlashInfer's side is the faster of its profiled decode kernels"),
@@ -334,10 +336,11 @@ CLAIMS: list[Claim] = [
           "1.188 (74.48 ÷ 62.72 %)", "ratio", nsight("Mem. thr. %", ".2f", "%"),
           "memory throughput is the fraction of peak DRAM traffic each decode kernel sustains"),
     *(Claim("Table 7, §4.4", f"{label}: every split near the frozen one stays wall-positive", p, t, "side",
-            split_min(fam, b), "the frozen split and its neighbours are calibrated on this GPU, so the split counts differ",
-            "> 1")
-      for fam, b, label, p, t in (("bucketed", 1, "Bucketed B1", 1.282, "min 1.282 (1.379 / 1.516 / 1.282 at s28 / 32 / 36)"),
-                                  ("bimodal", 8, "Bimodal B8", 1.128, "min 1.128 (1.128 / 1.136 / 1.168 at s16 / 20 / 24)"))),
+            split_min(fam, b), "the frozen split and its neighbours are calibrated on this GPU, so the split "
+            "counts differ", "> 1")
+      for fam, b, label, p, t in (
+          ("bucketed", 1, "Bucketed B1", 1.282, "min 1.282 (1.379 / 1.516 / 1.282 at s28 / 32 / 36)"),
+          ("bimodal", 8, "Bimodal B8", 1.128, "min 1.128 (1.128 / 1.136 / 1.168 at s16 / 20 / 24)"))),
     Claim("§4.4", "Bimodal B4, forced workqueue: no robust wall win at any split", 1.005,
           "best 1.005 at s28, per seed 0.964–1.026", "ratio", b4_best,
           "the workqueue forced on every B4 step, against FlashInfer, mean over held-out seeds"),

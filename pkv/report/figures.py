@@ -14,14 +14,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
 import pandas as pd  # noqa: E402
 import seaborn as sns  # noqa: E402
+from matplotlib.ticker import MaxNLocator, NullLocator  # noqa: E402
 
-from pkv.report import ratios as rep  # noqa: E402
 from pkv.config.resolve import SMOKE_BANNER  # noqa: E402
 from pkv.core.units import K  # noqa: E402
 from pkv.engines import table  # noqa: E402
+from pkv.report import ratios as rep  # noqa: E402
 from pkv.report.spec import FIGURE_SPECS  # noqa: E402
 
 TIMING_LABELS = {"wall": "wall (synchronized step)", "cuda": "CUDA events", "graph": "CUDA-graph replay"}
@@ -186,7 +186,8 @@ def latency_vs_context(frame: pd.DataFrame, smoke: bool) -> bytes:
     fastest = best[best["engine"].isin(base)].groupby("max_len", observed=True)["device_ms"].min()
     best["speedup"] = best["max_len"].map(fastest) / best["device_ms"]
     best["engine"] = [e + " (auto split)" if table.persistentkv(e) else e for e in best["engine"]]
-    timing = "CUDA-graph replay" if f["graph_s"].notna().any() else "CUDA events" if f["cuda_s"].notna().any() else "wall"
+    timing = ("CUDA-graph replay" if f["graph_s"].notna().any() else "CUDA events" if f["cuda_s"].notna().any()
+              else "wall")
     engines = sorted(best["engine"].unique())
     palette = dict(zip(engines, sns.color_palette(n_colors=len(engines))))
     markers = dict(zip(engines, "os^DvP*Xp"))
@@ -261,7 +262,8 @@ def coverage(frame: pd.DataFrame, smoke: bool) -> bytes:
         parts.append(r.groupby(["regime", "engine"], observed=True)["wall_ratio"].mean().reset_index())
     grid = pd.concat(parts).pivot(index="regime", columns="engine", values="wall_ratio").sort_index()
     fig, ax = plt.subplots(figsize=(1.6 + 1.2 * grid.shape[1], 1.2 + 0.45 * grid.shape[0]))
-    sns.heatmap(grid, annot=True, fmt=".2f", center=1.0, cmap="RdBu", cbar_kws={"label": "wall throughput ratio (×)"}, ax=ax)
+    sns.heatmap(grid, annot=True, fmt=".2f", center=1.0, cmap="RdBu", cbar_kws={"label": "wall throughput ratio (×)"},
+                ax=ax)
     ax.grid(False)
     ax.tick_params(axis="x", labelrotation=30)
     for t in ax.get_xticklabels():
@@ -301,7 +303,8 @@ class Figure:
 _DRAW = {"serving_ratios": serving_ratios, "latency_vs_context": latency_vs_context,
          "split_sensitivity": split_sensitivity, "launches_per_step": launches_per_step, "coverage": coverage,
          "nsight": nsight}
-FIGURES = {name: Figure(spec.stages, _DRAW[name], spec.required) for name, spec in FIGURE_SPECS.items() if not spec.render}
+FIGURES = {name: Figure(spec.stages, _DRAW[name], spec.required) for name, spec in FIGURE_SPECS.items()
+           if not spec.render}
 
 
 def draw(name: str, frame: pd.DataFrame, smoke: bool) -> bytes:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+
 import pandas as pd
 
 from pkv.core import io
@@ -138,7 +139,8 @@ def accuracy_table(frame: pd.DataFrame, meta: dict) -> str:
         pk = cell(data, "fp8-tensor", ENGINE)
         best_fi = min((cell(data, "fp8-tensor", e) for e in fi), default=float("nan"))
         lines.append(f"- {data}: pkv-graph tensor scales rel RMS {num(pk, '.4f')} vs FlashInfer FP8 "
-                     f"{num(best_fi, '.4f')} (bar: no worse); page factors {num(cell(data, 'fp8-page', ENGINE), '.4f')} "
+                     f"{num(best_fi, '.4f')} (bar: no worse); "
+                     f"page factors {num(cell(data, 'fp8-page', ENGINE), '.4f')} "
                      f"(bar on outlier caches: better than tensor scales).")
     head = ["data", "cache", "engine", "rel RMS", "max |e|", "mean |e|"]
     lines += ["", "| " + " | ".join(head) + " |", "|---|---|---|" + "---:|" * 3]

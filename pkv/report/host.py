@@ -33,7 +33,8 @@ def markdown(frame: pd.DataFrame, meta: dict) -> str:
         "Medians over consecutive decode steps of one active set (each row one token longer a step), timed as "
         "pkv.measure times them: validation off, FlashInfer's per-step view built in the untimed pass. "
         "prepare = the engine's per-step host work; launch = run() until it returns; wall = prepare + run + "
-        "synchronize; route = the router's decision (in brackets: the same decisions uncached, i.e. a cache miss). Raw plan() = FlashInfer's wrapper.plan() called directly on "
+        "synchronize; route = the router's decision (in brackets: the same decisions uncached, i.e. a cache miss). "
+        "Raw plan() = FlashInfer's wrapper.plan() called directly on "
         "the same prebuilt arrays; view = building those arrays for one step (off the timed path). "
         f"Bar (issue 13): prepare <= {BAR_FACTOR:.2f} x raw plan() + {BAR_US:.0f} us.",
         "",

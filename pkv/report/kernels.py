@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from pkv.core import io
 from pkv.core.units import K
 from pkv.engines.table import PKV_KERNEL, flashinfer
-from pkv.core import io
 from pkv.report.ratios import names_path
 
 ENGINE = PKV_KERNEL

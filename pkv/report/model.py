@@ -28,10 +28,10 @@ import pandas as pd
 import pyarrow.parquet as pq
 from tabulate import tabulate
 
-from pkv.report.notes import provenance_of
-from pkv.core.io import atomic_write_bytes, atomic_write_text, read_meta
 from pkv.config.resolve import SMOKE_BANNER
+from pkv.core.io import atomic_write_bytes, atomic_write_text, read_meta
 from pkv.engines.table import RUNNERS, runners
+from pkv.report.notes import provenance_of
 from pkv.report.ratios import mean_sd, modal_route, num
 
 STAGE = "model_step"
@@ -337,7 +337,8 @@ def write_targets(root: Path, targets: list[Path]) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pkv.report.model", description="model-step table and figure from Parquet")
+    p = argparse.ArgumentParser(prog="python -m pkv.report.model",
+                                description="model-step table and figure from Parquet")
     p.add_argument("results_dir", nargs="?", help="default: two levels above the first --target")
     p.add_argument("--target", action="append", default=[], help="model_step.md and/or model_step.png; repeatable")
     args = p.parse_args(argv)

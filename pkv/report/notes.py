@@ -6,7 +6,6 @@ from __future__ import annotations
 from pkv.engines import table
 from pkv.report.load import Raw
 
-
 PROVENANCE = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
 
 

@@ -40,13 +40,13 @@ import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
+from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
+from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 from pkv.engines.table import PKV_KERNEL, ROUTER, baselines, pkv_engines, pkv_routes
 from pkv.plan.costmodel import GRAPH, Constants, RouteCost, estimate  # noqa: E402
-from pkv.core.io import atomic_write_bytes, atomic_write_text  # noqa: E402
-from pkv.report.notes import provenance_line  # noqa: E402
-from pkv.config.resolve import SMOKE_BANNER, load_config, point_key, shape_of  # noqa: E402
-from pkv.report.ratios import modal_route, num, objective, routers, trace_label, trace_order  # noqa: E402
 from pkv.report.load import load  # noqa: E402
+from pkv.report.notes import provenance_line  # noqa: E402
+from pkv.report.ratios import modal_route, num, objective, routers, trace_label, trace_order  # noqa: E402
 
 WALL_BAR, DEVICE_BAR = 0.97, 0.95
 OVERLAPPED_BAR = 0.97      # the overlapped objective's device ratio (its wall ratio has no bar)
@@ -170,7 +170,8 @@ def regret_markdown(table: pd.DataFrame, smoke: bool, graph: bool = False, sourc
             label = "device bar" if parts else f"Device bar (≥ {device_bar})"   # alone: name its bar
             parts.append(f"{label} on {int((dev >= device_bar).sum())} of {len(dev)} (min {dev.min():.3f})")
         if np.isfinite(fi_bar) and not fi.empty:
-            parts.append(f"FlashInfer bar (≥ {fi_bar}) on {int((fi >= fi_bar).sum())} of {len(fi)} (min {fi.min():.3f})")
+            parts.append(f"FlashInfer bar (≥ {fi_bar}) on {int((fi >= fi_bar).sum())} of {len(fi)} "
+                         f"(min {fi.min():.3f})")
         lines += [(f"`{router}`: " if several else "") + "; ".join(parts) + "."]
     lines += [""] + ([f"Source: {source}.", ""] if source else [])
     return "\n".join(lines)
@@ -242,7 +243,8 @@ def accuracy_figure(points: pd.DataFrame, smoke: bool) -> bytes:
         for axis in (ax.xaxis, ax.yaxis):   # 1, 2, 5 x 10^k, plain labels, as few as read clearly
             plain_log_axis(axis, lo, hi)
         err = np.log(g["estimate_s"] / g["wall_s"])
-        ax.set_title(f"{route}\nmedian est/meas {np.exp(err.median()):.2f}, rms log err {np.sqrt((err ** 2).mean()):.2f}",
+        ax.set_title(f"{route}\nmedian est/meas {np.exp(err.median()):.2f}, "
+                     f"rms log err {np.sqrt((err ** 2).mean()):.2f}",
                      fontsize=9)
         ax.set_xlabel("estimate T_r (ms)")
         ax.set_ylabel("measured wall (ms)")
@@ -284,16 +286,20 @@ def margin_sentence(constants: dict) -> str:
 def _margin_source(constants: dict) -> str:
     fit = constants.get("overlapped_margin_fit")
     if fit:
-        return (f"Its margin, {fit['margin']:.2f}, was fitted at calibration on seed {constants.get('calibration_seed')} "
-                f"(the router replayed over that seed's steps: worst point {fit['worst']:.3f} of its best fixed route).")
+        return (f"Its margin, {fit['margin']:.2f}, was fitted at calibration on seed "
+                f"{constants.get('calibration_seed')} "
+                f"(the router replayed over that seed's steps: worst point {fit['worst']:.3f} "
+                "of its best fixed route).")
     rows = constants.get("overlapped_margins")
     if rows:
-        return "Its margins (the config's): " + ", ".join(f"{m['margin']} up to {m['max_active']} rows" for m in rows) + "."
+        return ("Its margins (the config's): "
+                + ", ".join(f"{m['margin']} up to {m['max_active']} rows" for m in rows) + ".")
     return "It promotes by the serial objective's margins."
 
 
 def _scale_sentence(constants: dict) -> str:
-    scales = [v for op in constants.get("operating_points", {}).values() for v in (op.get("device_scale") or {}).values()]
+    scales = [v for op in constants.get("operating_points", {}).values()
+              for v in (op.get("device_scale") or {}).values()]
     if not scales:
         return ""
     return (f" Each route's device estimate at a serving point is scaled by its measured / estimated time on the "

@@ -41,7 +41,8 @@ class FigureSpec:
 
 TABLE_SPECS = {
     "isolated": TableSpec("Table 1: isolated native-paged decode attention, B=1, 50% holes",
-                          "Median device time per call (CUDA-graph replay; CUDA events, else wall time where not measured). "
+                          "Median device time per call (CUDA-graph replay; CUDA events, else wall time where "
+                          "not measured). "
                           "PersistentKV rows take the best split of the calibration grid (split in parentheses).",
                           ("isolated",), ("Method",), latex=True),
     "serving": TableSpec("Table 2: calibrated cost-model serving results (held-out seeds)",
@@ -49,19 +50,22 @@ TABLE_SPECS = {
                          "Errors are against the correctness baseline after FP32 conversion.",
                          ("serve",), ("Trace / mode",), latex=True),
     "mlp_proxy": TableSpec("Table 3: model-level proxy, attention + gated MLP tail",
-                           "Layers > 1 share one plan per step. Mean±std over seeds.", ("mlp_proxy",), ("Layers", "Engine"),
+                           "Layers > 1 share one plan per step. Mean±std over seeds.", ("mlp_proxy",),
+                           ("Layers", "Engine"),
                            latex=True),
     "counters": TableSpec("Table 4: scheduler-derived structural counters",
                           "Means per decode step over every held-out seed; baselines report no schedule counters (–).",
                           ("serve",), ("Trace", "Engine"), latex=True),
     "nsight": TableSpec("Table 5: Nsight Compute hardware counters",
-                        "Per kernel, means over captured invocations; DRAM / roofline is read bandwidth over the calibrated beta.",
+                        "Per kernel, means over captured invocations; DRAM / roofline is read bandwidth over the "
+                        "calibrated beta.",
                         ("nsight_kernels",), ("Kernel",), latex=True, required=False),
     "coverage": TableSpec("Table 6: evidence and coverage map",
                           "Status: Positive when every seed's wall ratio > 1; baseline routes are no-regression cases.",
                           ("serve", "gqa_sweep", "mlp_proxy", "external"), ("Regime",), latex=True),
     "split_sensitivity": TableSpec("Table 7: split-count sensitivity",
-                                   "Cost-model policy at the frozen split and its neighbours over the faster FlashInfer variant.",
+                                   "Cost-model policy at the frozen split and its neighbours over the faster "
+                                   "FlashInfer variant.",
                                    ("split_sensitivity",), ("Trace",), latex=True),
     "gqa_sweep": TableSpec("Table 8: serving GQA/MQA sweep",
                            "Adaptive route and ungated PersistentKV workqueue over FlashInfer.",
@@ -69,8 +73,10 @@ TABLE_SPECS = {
     "b4_sweep": TableSpec("B4 split sweep: PersistentKV workqueue forced on the B4 boundary",
                           "Mean±std over held-out seeds.", ("b4_sweep",), ("Split",)),
     "raggedness": TableSpec("Raggedness ablation: exact buckets vs masked bucket vs workqueue",
-                            "Per decode step means; ratios over the faster FlashInfer variant.", ("raggedness",), ("Engine",)),
-    "ablations": TableSpec("Implementation ablations: fused merge, row-local bounds, early exit, indexed Q/O, CUDA-graph replay",
+                            "Per decode step means; ratios over the faster FlashInfer variant.", ("raggedness",),
+                            ("Engine",)),
+    "ablations": TableSpec("Implementation ablations: fused merge, row-local bounds, early exit, indexed Q/O, "
+                           "CUDA-graph replay",
                            "Graph ms/step is the CUDA-graph replay of run() (no host overhead).", ("implementation",),
                            ("Engine",)),
     # Its title is the trace's own (the Parquet's trace_title, pkv.report.tables.heading);
@@ -113,9 +119,9 @@ TABLE_SPECS = {
 
 FIGURE_SPECS = {
     "serving_ratios": FigureSpec("Each router engine (adaptive, adaptive:objective=overlapped) and pkv-graph where "
-                                 "measured, over the faster FlashInfer variant per serving trace, one panel per engine, "
-                                 "by timing (wall, CUDA events, CUDA-graph replay); bars are means over held-out seeds, "
-                                 "error bars their std.", ("serve",)),
+                                 "measured, over the faster FlashInfer variant per serving trace, one panel per "
+                                 "engine, by timing (wall, CUDA events, CUDA-graph replay); bars are means over "
+                                 "held-out seeds, error bars their std.", ("serve",)),
     "latency_vs_context": FigureSpec("Isolated decode attention (B=1, 50% holes): median latency per call against "
                                      "context length (left), and the faster FlashInfer variant's latency over each "
                                      "other engine's (right, > 1: faster), PersistentKV at its best split.",
@@ -133,9 +139,10 @@ FIGURE_SPECS = {
     "router_accuracy": FigureSpec("Router accuracy: the cost model's estimate against the measured time per route, "
                                   "one panel per route.", ("serve", "calibration"), render="router_accuracy_png"),
     "model_step": FigureSpec("Model-level decode step: median serial wall time per step (host prepare + launch + "
-                             "synchronize) against the KV tokens the step reads per layer, one line per engine; one row "
-                             "of panels per model shape and KV dtype, one column per batch bucket. Device times and "
-                             "ratios are in the table.", ("model_step",), render="model_step_png", in_all="model_step"),
+                             "synchronize) against the KV tokens the step reads per layer, one line per engine; one "
+                             "row of panels per model shape and KV dtype, one column per batch bucket. Device times "
+                             "and ratios are in the table.", ("model_step",), render="model_step_png",
+                             in_all="model_step"),
 }
 
 # Stages measured once per held-out seed: a table over them flags any seed that is missing.

@@ -24,22 +24,29 @@ import numpy as np
 import pandas as pd
 from tabulate import tabulate
 
-from pkv.engines import table
+from pkv.config.resolve import SMOKE_BANNER
 from pkv.core.io import atomic_write_many
 from pkv.core.units import K
-from pkv.config.resolve import SMOKE_BANNER
+from pkv.engines import table
 from pkv.measure.nsight import table5
-from pkv.report.ratios import (FAMILY_ORDER, TIMINGS, base_path, baselines, mean_sd, modal_route,  # noqa: F401
-                        names_path, num, ratios, router_label, routers, throughputs, trace_label, trace_order)
+
 # What the report reads and refuses (names re-exported for the modules that import them here).
-from pkv.report.load import (MissingStage, Raw, ReportError, check_folder, frozen, load, missing_seeds,  # noqa: F401
-                             seeds_cell)
+from pkv.report.load import MissingStage, Raw, ReportError, check_folder, frozen, load, seeds_cell  # noqa: F401
 from pkv.report.notes import missing_note, provenance_line, ran_line  # noqa: F401 (compare reads missing_note here)
+from pkv.report.ratios import (
+    base_path,
+    baselines,
+    mean_sd,
+    modal_route,
+    names_path,
+    num,
+    ratios,
+    router_label,
+    routers,
+    trace_label,
+    trace_order,
+)
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
-
-
-# ---------------------------------------------------------------- formatting
-
 
 # ---------------------------------------------------------------- tables
 
@@ -72,9 +79,9 @@ def t_serving(raw: Raw) -> pd.DataFrame:
         if steps.empty and router != table.ROUTER:
             continue
         rows.append({
-            "Trace / mode": router_label(trace_label(family, batch), router), "Selected route": modal_route(steps["route"]),
-            "CUDA tok/s ratio": mean_sd(r.loc[sel, "cuda_ratio"]), "Graph ratio": mean_sd(r.loc[sel, "graph_ratio"]),
-            "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
+            "Trace / mode": router_label(trace_label(family, batch), router),
+            "Selected route": modal_route(steps["route"]), "CUDA tok/s ratio": mean_sd(r.loc[sel, "cuda_ratio"]),
+            "Graph ratio": mean_sd(r.loc[sel, "graph_ratio"]), "Wall tok/s ratio": mean_sd(r.loc[sel, "wall_ratio"]),
             "Wall ratio min": num(r.loc[sel, "wall_ratio"].min()),
             "Max |e|": num(steps["max_abs_err"].max(), ".3e"), "Mean |e|": num(steps["mean_abs_err"].mean(), ".3e"),
             **({"FlashInfer path (wall / CUDA)": base_path(r.loc[sel])} if names_path(f["engine"]) else {}),
@@ -90,7 +97,8 @@ def t_counters(raw: Raw) -> pd.DataFrame:
         sub = f[(f["family"] == family) & (f["max_active"] == batch)]
         for engine, g in sub.groupby("engine", sort=True, observed=True):
             rows.append({
-                "Trace": trace_label(family, batch), "Engine": engine, "Launches/step": num(g["launches"].mean(), ".2f"),
+                "Trace": trace_label(family, batch), "Engine": engine,
+                "Launches/step": num(g["launches"].mean(), ".2f"),
                 "Decode CTA work/SM": num(g["cta_work_per_sm"].mean(), ".1f"),
                 "Useful KV MB": num(g["total_tokens"].mean() * _kv_bytes_per_token(g) / 1e6, ".1f"),
                 "Merge MB": num(g["merge_bytes"].mean() / 1e6, ".2f"),
@@ -117,11 +125,13 @@ def t_isolated(raw: Raw) -> pd.DataFrame:
             # Auto split: the best split of the grid per context (the paper's autotuned row).
             best = g.loc[g.groupby("context")["device_s"].idxmin()].set_index("context")
             row = {"Method": f"{engine}, auto split"}
-            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} (s{int(best.loc[c, 'split'])})" for c in contexts})
+            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": f"{num(best.loc[c, 'device_s'] * 1e3, '.4f')} "
+                        f"(s{int(best.loc[c, 'split'])})" for c in contexts})
         else:
             g = g.set_index("context")
             row = {"Method": engine}
-            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": num(g.loc[c, "device_s"] * 1e3, ".4f") for c in contexts})
+            row.update({f"{c // K}K ms" if c >= K else f"{c} ms": num(g.loc[c, "device_s"] * 1e3, ".4f")
+                        for c in contexts})
         rows.append(row)
     return pd.DataFrame(rows)
 
@@ -173,9 +183,9 @@ def t_b4_sweep(raw: Raw) -> pd.DataFrame:
     rows = []
     for split, g in r.groupby("split", sort=True):
         family, batch = g["family"].iloc[0], int(g["max_active"].iloc[0])
-        rows.append({"Split": str(int(split)), "Wall ratio": mean_sd(g["wall_ratio"]), "Wall min": num(g["wall_ratio"].min()),
-                     "Wall max": num(g["wall_ratio"].max()), "CUDA ratio": mean_sd(g["cuda_ratio"]),
-                     "Graph ratio": mean_sd(g["graph_ratio"]),
+        rows.append({"Split": str(int(split)), "Wall ratio": mean_sd(g["wall_ratio"]),
+                     "Wall min": num(g["wall_ratio"].min()), "Wall max": num(g["wall_ratio"].max()),
+                     "CUDA ratio": mean_sd(g["cuda_ratio"]), "Graph ratio": mean_sd(g["graph_ratio"]),
                      "Seeds": seeds_cell(raw, "b4_sweep", family, batch, g["seed"].nunique())})
     return pd.DataFrame(rows)
 
@@ -229,7 +239,8 @@ def t_external(raw: Raw) -> pd.DataFrame:
     rows = []
     for engine, g in r.groupby("engine", sort=True):
         steps = f[f["engine"] == engine]
-        rows.append({"Engine": engine, "Route": modal_route(steps["route"]), "CUDA tok/s ratio": num(g["cuda_ratio"].mean()),
+        rows.append({"Engine": engine, "Route": modal_route(steps["route"]),
+                     "CUDA tok/s ratio": num(g["cuda_ratio"].mean()),
                      "Wall tok/s ratio": num(g["wall_ratio"].mean()), "Max |e|": num(steps["max_abs_err"].max(), ".3e"),
                      **({"FlashInfer path (wall / CUDA)": base_path(g)} if names_path(f["engine"]) else {}),
                      "Steps": str(int(g["steps"].sum()))})
@@ -242,15 +253,17 @@ def t_nsight(raw: Raw) -> pd.DataFrame:
     t = table5(raw.frame, float(raw.frame["roofline_gbps"].iloc[0]))
     for col, fmt in (("Time ms", ".4f"), ("SM thr. %", ".2f"), ("Mem. thr. %", ".2f"), ("DRAM GB/s", ".1f"),
                      ("DRAM / roofline", ".3f"), ("L2 hit %", ".2f")):
-        t[col] = t[col].map(lambda v: num(v, fmt))
+        t[col] = t[col].map(lambda v, fmt=fmt: num(v, fmt))
     return t.astype(str)
 
 
 def t_coverage(raw: Raw) -> pd.DataFrame:
     f = raw.frame
     rows = []
-    for stage, keys in (("serve", ["family", "max_active", "seed"]), ("gqa_sweep", ["family", "max_active", "group", "seed"]),
-                        ("mlp_proxy", ["family", "max_active", "layers", "seed"]), ("external", ["family", "max_active", "seed"])):
+    for stage, keys in (("serve", ["family", "max_active", "seed"]),
+                        ("gqa_sweep", ["family", "max_active", "group", "seed"]),
+                        ("mlp_proxy", ["family", "max_active", "layers", "seed"]),
+                        ("external", ["family", "max_active", "seed"])):
         s = f[f["stage"] == stage]
         if s.empty:
             continue
@@ -258,8 +271,7 @@ def t_coverage(raw: Raw) -> pd.DataFrame:
         for router, (key, g) in ((e, kg) for e in routers(s) or [table.ROUTER]
                                  for kg in r[r["engine"] == e].groupby(keys[:-1], sort=True)):
             key = dict(zip(keys[:-1], key if isinstance(key, tuple) else (key,)))
-            steps = s[(s["engine"] == router)
-                      & np.logical_and.reduce([s[k] == v for k, v in key.items()])]
+            steps = s[(s["engine"] == router) & np.logical_and.reduce([s[k] == v for k, v in key.items()])]
             regime = trace_label(key["family"], key["max_active"])
             if stage == "gqa_sweep":
                 regime += f", G={key['group']}"
@@ -284,11 +296,10 @@ def status(wall_ratio: pd.Series, routes: pd.Series) -> str:
     return "Mixed" if wall_ratio.mean() >= 1.0 else "Regression"
 
 
-BUILDERS = {
-    "isolated": t_isolated, "serving": t_serving, "mlp_proxy": t_mlp_proxy, "counters": t_counters,
-    "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity, "gqa_sweep": t_gqa_sweep,
-    "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations, "external": t_external,
-}
+BUILDERS = {"isolated": t_isolated, "serving": t_serving, "mlp_proxy": t_mlp_proxy, "counters": t_counters,
+            "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity,
+            "gqa_sweep": t_gqa_sweep, "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations,
+            "external": t_external}
 TABLES = {name: Table(**asdict(spec), build=BUILDERS.get(name)) for name, spec in TABLE_SPECS.items()}
 
 

@@ -15,11 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from api_cases import in_layout, make_case
 from pkv.api import DecodeWrapper, decode
 from pkv.core.fp8 import quantize
-from pkv.kernels.reference import attention_reference
 from pkv.core.units import K
-from api_cases import in_layout, make_case
+from pkv.kernels.reference import attention_reference
 from test_kernels import check, seed_of
 
 pytestmark = [

@@ -21,13 +21,13 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_graph import replay_and_check, replay_case, run_graph
 
-from pkv.engines import make_engine
 from pkv.core.fp8 import E4M3_STEP
-from pkv.kernels.reference import attention_reference
 from pkv.core.shape import Shape
 from pkv.core.units import K
-from test_graph import replay_and_check, replay_case, run_graph
+from pkv.engines import make_engine
+from pkv.kernels.reference import attention_reference
 from test_kernels import TOL, make_case, seed_of
 
 pytestmark = [

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.core.shape import Shape
 from pkv.core.units import K
+from pkv.engines import make_engine
 from test_kernels import check, make_case, reference, seed_of
 
 pytestmark = [
@@ -125,7 +125,7 @@ def test_in_grid_merge_counter_options(counter_stride, spin_ns):
     cache, step, q = make_case([int(rng.integers(16 * K, 40 * K)), 70, int(rng.integers(1, 3 * K))], num_kv_heads=4,
                                seed=seed)
     engine = make_engine("pkv-graph", cache, counter_stride=counter_stride, spin_ns=spin_ns)
-    for rep in range(2):   # the second launch finds the counters the first rearmed
+    for _ in range(2):   # the second launch finds the counters the first rearmed
         check(run_graph(engine, step, q), reference(cache, step, q), "float16", f"counters {counter_stride} {spin_ns}")
     assert int(engine.counters.abs().sum()) == 0
 

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from pkv.core.cache import PagedCache
-from pkv.engines import make_engine
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
-from pkv.kernels.reference import attention_reference
-from pkv.plan.schedule import SplitPolicy
 from pkv.core.shape import Shape
 from pkv.core.units import K
+from pkv.engines import make_engine
+from pkv.kernels.reference import attention_reference
+from pkv.plan.schedule import SplitPolicy
 
 pytestmark = [
     pytest.mark.gpu,

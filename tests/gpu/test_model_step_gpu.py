@@ -41,7 +41,8 @@ def plan(shape: runners.ModelShape, kv_dtypes, engines=ENGINES, constants=None) 
     raw = {**RAW, "model_step": section}
     cfg = Config.from_dict(effective(raw, "paper"))
     seed = cfg.seeds.heldout[0]
-    jobs = [mp.TraceJob(t.name, f, seed, t) for f in ("homogeneous", "bimodal") for t in (ms.synthetic_trace(cfg, f, seed),)]
+    jobs = [mp.TraceJob(t.name, f, seed, t) for f in ("homogeneous", "bimodal")
+            for t in (ms.synthetic_trace(cfg, f, seed),)]
     p = mp.build_plan(cfg, jobs, constants)
     p.shapes = [shape]
     return p

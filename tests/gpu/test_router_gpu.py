@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from pkv.core.harness import StepState
+from pkv.core.units import K
 from pkv.engines import make_engine
 from pkv.engines.graph import GraphEngine
 from pkv.plan.costmodel import Constants, GraphFit, graph_counts
-from pkv.core.units import K
 from test_kernels import check, make_case, reference
 
 pytestmark = [

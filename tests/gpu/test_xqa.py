@@ -15,6 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from test_graph import trace_steps
 
 from pkv.core.cache import PagedCache
 from pkv.core.fp8 import E4M3_STEP
@@ -24,7 +25,6 @@ from pkv.core.shape import Shape
 from pkv.core.units import K
 from pkv.engines import make_engine
 from pkv.kernels.reference import attention_reference
-from test_graph import trace_steps
 from test_kernels import TOL, check, make_case, reference, seed_of
 
 flashinfer = pytest.importorskip("flashinfer")
