@@ -21,8 +21,18 @@ from pkv.config.checks import check_config
 from pkv.config.errors import ConfigError
 from pkv.config.frozen import check_constants, config_hash, load_config, write_config
 from pkv.config.merge import NOT_FROZEN, deep_merge, differences, effective
-from pkv.config.runs import (PROFILES, REFERENCE_ROOT, RUN_NAME, RUNS_ROOT, SMOKE_BANNER, SMOKE_ROOT, gpu_name,
-                             resolve_profile, run_root, slug)
+from pkv.config.runs import (
+                             PROFILES,
+                             REFERENCE_ROOT,
+                             RUN_NAME,
+                             RUNS_ROOT,
+                             SMOKE_BANNER,
+                             SMOKE_ROOT,
+                             gpu_name,
+                             resolve_profile,
+                             run_root,
+                             slug,
+)
 from pkv.config.schema import SCHEMA_PATH, coerce, load_schema, validate_config
 from pkv.config.yaml_files import read_config_file, strict_yaml
 
