@@ -25,7 +25,7 @@ CUDA_CORE = BaselineFit(8e-6, 1 / 3.2e12, 9e-6)    # slower per byte, like Flash
 TENSOR = BaselineFit(11e-6, 1 / 4.4e12, 2e-6)
 
 
-def _rows(engine: str, fit: BaselineFit, n=200, seed=0, host=4e-4, launch=9e-5) -> pd.DataFrame:
+def fit_rows(engine: str, fit: BaselineFit, n=200, seed=0, host=4e-4, launch=9e-5) -> pd.DataFrame:
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -38,21 +38,21 @@ def _rows(engine: str, fit: BaselineFit, n=200, seed=0, host=4e-4, launch=9e-5) 
 
 
 def test_the_fit_recovers_known_coefficients_from_the_replayed_rows():
-    frame = _rows("flashinfer", CUDA_CORE)
+    frame = fit_rows("flashinfer", CUDA_CORE)
     got = fit_baseline(frame, "flashinfer", KVB)
     for key in BaselineFit.KEYS:
         assert got[key] == pytest.approx(getattr(CUDA_CORE, key), rel=1e-6), key
     assert got["rows"] == len(frame) and got["rms_log_err"] < 1e-9
     # Rows of the split runs (events only) beside them are not what it fits on.
-    events_only = _rows("flashinfer", TENSOR, seed=3).assign(graph_s=np.nan, split=8)
+    events_only = fit_rows("flashinfer", TENSOR, seed=3).assign(graph_s=np.nan, split=8)
     again = fit_baseline(pd.concat([frame, events_only]), "flashinfer", KVB)
     assert again["fixed_s"] == pytest.approx(CUDA_CORE.fixed_s, rel=1e-6) and again["rows"] == len(frame)
     assert fit_baseline(frame, "flashinfer-tc", KVB) is None
 
 
 def test_host_time_is_wall_beyond_the_span_the_device_fit_uses():
-    replayed = _rows("flashinfer", CUDA_CORE)                   # wall - graph = launch + host
-    events = _rows("pkv-workqueue", TENSOR).assign(graph_s=np.nan)   # wall - cuda = host
+    replayed = fit_rows("flashinfer", CUDA_CORE)                   # wall - graph = launch + host
+    events = fit_rows("pkv-workqueue", TENSOR).assign(graph_s=np.nan)   # wall - cuda = host
     host = fit_host_s(pd.concat([replayed, events]))
     assert host["flashinfer"] == pytest.approx(4e-4 + 9e-5) and host["workqueue"] == pytest.approx(4e-4)
 

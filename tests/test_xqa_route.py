@@ -7,11 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
+from test_router_baseline_fit import fit_rows
 
 from pkv.core.shape import Shape
 from pkv.engines import table
 from pkv.measure.calibrate import fit_baseline, fit_host_s
-from pkv.plan.costmodel import BaselineFit, RouteCost, Router
+from pkv.plan.costmodel import BaselineFit, Router
 from router_constants import cpu_constants
 
 SHAPE = Shape()
@@ -23,15 +24,7 @@ ROUTES = ["flashinfer", "flashinfer-tc", "flashinfer-xqa"]
 
 
 def rows(engine: str, fit: BaselineFit, host: float, n=120, seed=0) -> pd.DataFrame:
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        lens = rng.integers(1, int(rng.choice([2000, 30000, 130000])), size=int(rng.choice([1, 4, 8])))
-        device = fit.device_s(RouteCost(engine, float(lens.sum() * KVB), 0.0, 1, 0.0, len(lens)))
-        out.append({"engine": engine, "family": "bimodal", "max_active": 8, "split": 0, "step": i,
-                    "active": len(lens), "total_tokens": int(lens.sum()), "graph_s": device,
-                    "cuda_s": device + 5e-6, "wall_s": device + 5e-6 + host})
-    return pd.DataFrame(out)
+    return fit_rows(engine, fit, n=n, seed=seed, host=host, launch=5e-6)
 
 
 def test_xqa_is_calibrated_like_every_flashinfer_route():

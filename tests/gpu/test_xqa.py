@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_graph import trace_steps
+from test_graph import LENGTHS, lens_for, trace_steps
 
 from pkv.core.cache import PagedCache
 from pkv.core.fp8 import E4M3_STEP
@@ -71,21 +71,6 @@ def variant_case(key, lens, seed, holes=0.5):
     dtype, _, page, d, group = VARIANTS[key]
     return make_case(lens, group=group, num_kv_heads=2, head_dim=d, page_size=page, dtype=dtype, holes=holes,
                      seed=seed)
-
-
-LENGTHS = {"1": [1], "31": [31], "33": [33], "8K+7": [8 * K + 7], "32K": [32 * K], "100K": [100 * K + 3],
-           "many-short": "many", "one-long": "long", "bimodal": "bimodal"}
-
-
-def lens_for(name, rng):
-    v = LENGTHS[name]
-    if v == "many":
-        return rng.integers(1, 2 * K, size=67).tolist()
-    if v == "long":
-        return [40 * K + 5] + rng.integers(1, 900, size=20).tolist()
-    if v == "bimodal":
-        return rng.choice([300, 17 * K], size=9).tolist()
-    return v
 
 
 @pytest.mark.parametrize("lengths", list(LENGTHS))
