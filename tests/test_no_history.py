@@ -41,14 +41,6 @@ ALLOWED = {
     "pkv/bench/splits.py": ("kernels-v3", "v3-kernels"),
 }
 
-# Files owned by other helpers this round, whose tags their own branches take out: each must
-# still hold one (else it leaves this list), and none may gain one outside it.
-PENDING = {
-    "pkv/cli/bench.py", "pkv/cli/pipeline.py", "pkv/engines/table.py", "pkv/report/host.py",
-    "pkv/report/kernels.py", "pkv/report/model.py", "pkv/report/tables.py",
-}
-
-
 def tags(text: str, allowed: tuple[str, ...] = ()) -> list[tuple[int, str]]:
     """(line number, match) of every version, issue or commit tag in `text`."""
     found = []
@@ -92,16 +84,11 @@ def test_the_patterns_leave_numbers_hex_constants_and_digests_alone(text):
 
 
 def test_no_version_issue_or_commit_tag_in_pkv_or_tests():
-    found, pending_clean = [], []
+    found = []
     for path in sources():
         rel = path.relative_to(ROOT).as_posix()
-        hits = tags(path.read_text(), ALLOWED.get(rel, ()))
-        if rel in PENDING:
-            pending_clean += [] if hits else [rel]
-            continue
-        found += [f"{rel}:{n}: {m}" for n, m in hits]
+        found += [f"{rel}:{n}: {m}" for n, m in tags(path.read_text(), ALLOWED.get(rel, ()))]
     assert not found, "history in the code (it belongs in git and docs/):\n" + "\n".join(found)
-    assert not pending_clean, f"no tag left in {pending_clean}: take them out of PENDING"
 
 
 @pytest.mark.parametrize("source,marks", [

@@ -7,7 +7,7 @@ import importlib
 # bench name -> the module whose add_command(bench_subparsers) adds it
 BENCHES = {
     "kernels": "pkv.bench.kernels",       # pkv-graph against FlashInfer over the serving range, device time
-    "splits": "pkv.bench.splits",         # the v3 host-planned schedules at their best split per case
+    "splits": "pkv.bench.splits",         # the host-planned schedules at their best split per case
     "host": "pkv.bench.host",             # the host path per engine and batch
     "fp8-accuracy": "pkv.bench.fp8_accuracy",   # error of FP8 caches per scale policy
 }

@@ -247,7 +247,7 @@ def build_kernels_cmd(args) -> int:
 
 
 def nsight_cmd(args) -> int:
-    """Profile `pkv measure nsight-trace` under ncu; the CSV parser is issue 6's."""
+    """Profile `pkv measure nsight-trace` under ncu; pkv.measure.nsight parses its CSV."""
     ncu = shutil.which("ncu")
     if ncu is None:
         raise OSError("nsight: `ncu` (Nsight Compute) is not on PATH; install it, or set `nsight: false` "

@@ -36,7 +36,7 @@ def markdown(frame: pd.DataFrame, meta: dict) -> str:
         "synchronize; route = the router's decision (in brackets: the same decisions uncached, i.e. a cache miss). "
         "Raw plan() = FlashInfer's wrapper.plan() called directly on "
         "the same prebuilt arrays; view = building those arrays for one step (off the timed path). "
-        f"Bar (issue 13): prepare <= {BAR_FACTOR:.2f} x raw plan() + {BAR_US:.0f} us.",
+        f"Bar: prepare <= {BAR_FACTOR:.2f} x raw plan() + {BAR_US:.0f} us.",
         "",
         "| batch | engine | route | prepare µs | launch µs | wall µs | route µs (uncached) | raw plan() µs | view µs | "
         "prepare / raw | meets bar |",

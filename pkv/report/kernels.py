@@ -29,7 +29,7 @@ def pools_note(meta: dict) -> str:
     """How the run allocated its KV copies, as its metadata says (`pkv bench kernels`)."""
     if meta.get("kv_pools") == "arena-fp8":
         return " (16-bit and FP8 pools carved from one buffer allocated once, as a serving engine allocates its pool)"
-    if meta.get("kv_pools") == "arena":   # runs before 6890e31: each FP8 copy allocated with its case
+    if meta.get("kv_pools") == "arena":   # older runs: each FP8 copy allocated with its case
         return " (16-bit pools carved from one buffer allocated once, as a serving engine allocates its pool)"
     return ""
 
@@ -78,7 +78,7 @@ def bars(frame: pd.DataFrame, s: pd.DataFrame) -> list[str]:
     ragged = s[s.family == "ragged"]
     small = [c for c in ("B1 1K", "B1 2K", "B1 4K", "B1 8K", "B2 1K", "B2 2K", "B4 1K", "B4 2K") if c in s.index]
     big = [c for c in ("B8 64K", "B8 128K") if c in s.index]
-    lines = [   # the bars of the kernels issue (v5), each as measured
+    lines = [   # the kernel bars, each as measured
         f"- Fixed cost per call (B1 fit, 4K–128K): **{fixed:.1f} µs** + bytes / {beta:.0f} GB/s (bar ≤ 8 µs).",
         "- B1 1K–8K and B2–B4 ≤ 2K: ratio " + " / ".join(f"{c} {ratio(c)}" for c in small) + " (bar 1.10).",
         "- Large batch at the HBM limit: " + ", ".join(f"{c} at {s.frac_of_roofline[c]:.1%} of roofline" for c in big)

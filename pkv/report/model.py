@@ -3,7 +3,7 @@
     python -m pkv.report.model --target results/tables/model_step.md --target results/figures/model_step.png
 
 reads RESULTS_DIR/raw/model_step/*.parquet (RESULTS_DIR: two levels above the first
-target, or given). Files with a `kv_dtype` column (per-layer KV, issue 23) get one row per
+target, or given). Files with a `kv_dtype` column (per-layer KV) get one row per
 KV dtype too, the FP8 rows' accuracy (rel. error against the 16-bit baseline) and their
 device-time ratio over FlashInfer's 16-bit graph path; files without it (the shared-cache
 run before) are read as they were, so their table regenerates unchanged.

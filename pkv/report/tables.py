@@ -68,7 +68,7 @@ class Table:
 
 
 def t_serving(raw: Raw) -> pd.DataFrame:
-    """One row per trace and adaptive engine (Router v4: `adaptive` and e.g.
+    """One row per trace and adaptive engine (the router engines: `adaptive` and e.g.
     `adaptive:objective=overlapped`, the latter labelled "trace · objective=overlapped")."""
     f = raw.frame
     r = ratios(f, ["family", "max_active", "seed"])
