@@ -53,6 +53,15 @@ class Engine(ABC):
             reserved = self.cache.assignment.reserved_len[step.request_ids]
             check_lengths(step.seq_lens, reserved)
 
+    def padded_rows(self, step: StepState, rows: int | None) -> int:
+        """The rows a fixed-capacity engine runs `step` at: its own (`rows` None) or a padded
+        bucket, between the step's size and the engine's `max_rows`."""
+        rows = step.active if rows is None else int(rows)
+        if not step.active <= rows <= self.max_rows:
+            raise ValueError(f"{self.name}: a step of {step.active} rows padded to {rows} exceeds its capacity of "
+                             f"{self.max_rows} rows (or is padded below its size)")
+        return rows
+
     def check_query(self, q: torch.Tensor, plan: Plan) -> None:
         if self.validate:
             check_query(q, self.cache.shape, plan.step.active, self.cache.device)

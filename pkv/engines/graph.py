@@ -127,12 +127,8 @@ class GraphEngine(Engine):
 
     def prepare(self, step: StepState, rows: int | None = None) -> GraphPlan:
         self.check_step(step)
-        b = step.active
-        rows = b if rows is None else int(rows)
-        if not b <= rows <= self.max_rows:
-            raise ValueError(f"{self.name}: a step of {b} rows padded to {rows} exceeds its capacity of "
-                             f"{self.max_rows} rows (or is padded below its size)")
-        pad = self._zeros[:rows - b]
+        rows = self.padded_rows(step, rows)
+        pad = self._zeros[:rows - step.active]
         self._staging.upload([step.seq_lens, pad, step.request_ids, pad], out=self.meta)
         return GraphPlan(step, self.name, 1, rows, self._counter_args)
 

@@ -142,12 +142,8 @@ class XqaEngine(Engine):
 
     def prepare(self, step: StepState, rows: int | None = None) -> XqaPlan:
         self.check_step(step)
-        b = step.active
-        rows = b if rows is None else int(rows)
-        if not b <= rows <= self.max_rows:
-            raise ValueError(f"flashinfer-xqa: a step of {b} rows padded to {rows} exceeds its capacity of "
-                             f"{self.max_rows} rows (or is padded below its size)")
-        pad = rows - b
+        rows = self.padded_rows(step, rows)
+        pad = rows - step.active
         self._staging.upload([step.seq_lens, self._ones[:pad], step.request_ids, self._zeros[:pad]], out=self.meta)
         _, ids, table = self._rows(rows)
         torch.index_select(self.cache.block_table, 0, ids, out=table)

@@ -210,6 +210,13 @@ def replay_and_check(cache, steps, seed, check_step, piece_cost=0):
     and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each step. Every merge
     counter is rearmed (zero) after the last replay."""
     engine = make_engine("pkv-graph", cache, max_rows=REPLAY_CAPACITY, piece_cost=piece_cost)
+    replay(engine, cache, steps, seed, check_step)
+    assert int(engine.counters.abs().sum()) == 0, "a merge counter was left armed"
+
+
+def replay(engine, cache, steps, seed, check_step):
+    """Capture `engine` once at the bucket (REPLAY_CAPACITY rows), then replay it for every step
+    with fresh queries and a poisoned output; check_step(t, out[:b], step, q[:b]) judges each."""
     q_static = cache.query(REPLAY_CAPACITY, seed)
     plan = engine.prepare(steps[0], rows=REPLAY_CAPACITY)
     engine.run(q_static, plan)
@@ -225,7 +232,6 @@ def replay_and_check(cache, steps, seed, check_step, piece_cost=0):
         graph.replay()
         torch.cuda.synchronize()
         check_step(t, out_static[:b], step, q_static[:b])
-    assert int(engine.counters.abs().sum()) == 0, "a merge counter was left armed"
 
 
 def test_beyond_capacity_is_refused():

@@ -15,7 +15,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_graph import LENGTHS, lens_for, trace_steps
+from test_graph import LENGTHS, REPLAY_CAPACITY, lens_for, replay, trace_steps
 
 from pkv.core.cache import PagedCache
 from pkv.core.fp8 import E4M3_STEP
@@ -159,9 +159,6 @@ def test_fp8_hopper_kernel_within_e4m3_rounding(key, k_gain, v_gain):
     assert rel < E4M3_STEP, f"{key}: relative error {rel:.3f} (a scale mapped wrong is off by the gain)"
 
 
-REPLAY_CAPACITY = 12
-
-
 @pytest.mark.parametrize("key", ["fp16-p16-d128-G4", "bf16-p32-d64-G1", "fp8-fp16-p16-d128-G4"])
 def test_graph_replay_over_a_ragged_trace(key):
     """Capture run() once at a bucket of 12 rows, then replay it for 16 steps whose rows join and
@@ -176,23 +173,13 @@ def test_graph_replay_over_a_ragged_trace(key):
     cache = PagedCache.random(shape, assign_pages(reserved, page, 0.5, seed), device="cuda", seed=seed)
     steps = trace_steps(rng, len(reserved), reserved, REPLAY_CAPACITY, 16)
     engine = make_engine("flashinfer-xqa", cache, max_rows=REPLAY_CAPACITY)
-    q_static = cache.query(REPLAY_CAPACITY, seed)
-    plan = engine.prepare(steps[0], rows=REPLAY_CAPACITY)
-    engine.run(q_static, plan)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_static = engine.run(q_static, plan)
-    for t, step in enumerate(steps):
-        engine.prepare(step, rows=REPLAY_CAPACITY)
-        b = step.active
-        q_static.copy_(cache.query(REPLAY_CAPACITY, seed + 1000 + t))
-        out_static.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+
+    def check_step(t, out, step, q):
         ids = torch.as_tensor(step.request_ids, device="cuda")
-        ref = attention_reference(q_static[:b], cache.values(), cache.block_table[ids], torch.as_tensor(step.seq_lens))
-        check(out_static[:b], ref, dtype, f"xqa replay {key} step {t}")
+        ref = attention_reference(q, cache.values(), cache.block_table[ids], torch.as_tensor(step.seq_lens))
+        check(out, ref, dtype, f"xqa replay {key} step {t}")
+
+    replay(engine, cache, steps, seed, check_step)
 
 
 def test_step_allocates_nothing():
