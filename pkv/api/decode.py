@@ -27,7 +27,8 @@ def _check_reading(view: KvView, layout: str, num_kv_heads: int | None, page_siz
 
 
 def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: torch.Tensor,
-           workspace: torch.Tensor | None, *, sm_scale, logits_soft_cap, out, return_lse, k_scale, v_scale):
+           workspace: torch.Tensor | None, *, sm_scale, logits_soft_cap, out, return_lse, k_scale, v_scale,
+           window_left=None, q_len=1, sinks=None):
     """The op over resolved K, V views; allocates out (and lse) when not given. Shared by decode and the wrapper."""
     for name, t in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens), ("out", out)):
         if not isinstance(t, torch.Tensor) and (t is not None or name != "out"):
@@ -38,17 +39,21 @@ def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: t
         out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    if sinks is not None and not isinstance(sinks, torch.Tensor):
+        raise ValueError(f"pkv decode: sinks must be a float32 tensor [num_qo_heads] on q's device, got "
+                         f"{type(sinks).__name__}")
     paged_decode(q, view.k, view.v, block_table, seq_lens, workspace, out, lse, scale,
                  float(logits_soft_cap or 0.0), 1.0 if k_scale is None else float(k_scale),
-                 1.0 if v_scale is None else float(v_scale))
+                 1.0 if v_scale is None else float(v_scale), -1 if window_left is None else window_left, q_len, sinks)
     return (out, lse) if return_lse else out
 
 
 def decode(q: torch.Tensor, kv_cache, block_table: torch.Tensor, seq_lens: torch.Tensor, *, layout: str = "HND",
            sm_scale: float | None = None, logits_soft_cap: float | None = None, out: torch.Tensor | None = None,
            return_lse: bool = False, k_scale: float | None = None, v_scale: float | None = None,
-           num_kv_heads: int | None = None, page_size: int | None = None):
-    """Decode attention of one new token per row over its paged KV.
+           num_kv_heads: int | None = None, page_size: int | None = None, window_left: int | None = None,
+           sinks: torch.Tensor | None = None, q_len: int = 1):
+    """Decode attention of q_len new tokens per row (1 by default) over its paged KV.
 
     q [B, H_qo, D] float16/bfloat16; kv_cache one tensor or a (K, V) pair in `layout`
     (pkv.api.layouts: "HND" ours and FlashInfer's, "NHD", "vllm"), q's dtype or
@@ -59,8 +64,14 @@ def decode(q: torch.Tensor, kv_cache, block_table: torch.Tensor, seq_lens: torch
     Returns out [B, H_qo, D] (written into `out` when given) and, with return_lse, the
     natural-log log-sum-exp of the (scaled, capped) logits, float32 [B, H_qo].
     num_kv_heads / page_size, when given, are checked against the cache's reading.
+    q_len (1..8): q is [B * q_len, H_qo, D], row r's tokens at r * q_len ..; token i sits at position
+    seq_lens[r] - q_len + i (the row's last q_len tokens, already in the cache) and attends causally
+    (keys at or before its position). window_left W (None or -1: off): a query at position p reads
+    keys [p - W, p] (FlashInfer's window_left). sinks: float32 [H_qo], natural-log logits, each adding
+    exp(sink) to its head's softmax denominator once; the LSE then includes that term.
     """
     view = kv_view(kv_cache, layout)
     _check_reading(view, layout, num_kv_heads, page_size)
     return run_op(q, view, block_table, seq_lens, None, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, out=out,
-                  return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+                  return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, window_left=window_left, q_len=q_len,
+                  sinks=sinks)

@@ -23,8 +23,15 @@ import numpy as np
 import torch
 
 from pkv.core.shape import Shape
-from pkv.engines.graph import CPU_NUM_CTAS, CTAS_PER_SM, check_graph_shape
-from pkv.plan.device_schedule import GRAPH_MAX_ROWS, GRAPH_MIN_TILES, MAX_COUNTER_STRIDE, PIECE_COST, graph_schedule
+from pkv.engines.graph import CPU_NUM_CTAS, CTAS_PER_SM, check_graph_shape, check_queries
+from pkv.plan.device_schedule import (
+    GRAPH_MAX_ROWS,
+    GRAPH_MIN_TILES,
+    MAX_COUNTER_STRIDE,
+    PIECE_COST,
+    Queries,
+    graph_schedule,
+)
 
 QUERY_DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 FP8 = torch.float8_e4m3fn
@@ -45,31 +52,42 @@ def partial_floats(ctas: int, group: int, head_dim: int) -> int:
     return (2 * slots * group + 3) // 4 * 4 + slots * group * head_dim
 
 
+def state_rows(num_qo_heads: int, num_kv_heads: int, head_dim: int, q_len: int) -> int:
+    """Query rows of one partial state: G x the query tokens of one pass (Queries.block)."""
+    group = num_qo_heads // num_kv_heads
+    return group * Queries.of(group, head_dim, q_len).block
+
+
 def make_workspace(max_rows: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                   device: torch.device | str) -> torch.Tensor:
-    """The op's scratch for steps of up to `max_rows` rows: float32 [partial | row ids | counters].
+                   device: torch.device | str, q_len: int = 1) -> torch.Tensor:
+    """The op's scratch for steps of up to `max_rows` rows of `q_len` query tokens each (split with
+    the same q_len): float32 [partial | row ids | counters].
 
     Row ids are 0..max_rows-1 (block_table row r serves batch row r); the counters start at
     zero and the kernel rearms them, so the workspace is reused by every later call (and
     graph replay) without being cleared."""
     if not 1 <= max_rows <= GRAPH_MAX_ROWS:
         raise ValueError(f"pkv decode holds 1..{GRAPH_MAX_ROWS} rows a step, got {max_rows}")
+    check_queries(q_len, -1, None, num_qo_heads, "pkv decode")
     device = torch.device(device)
-    n = partial_floats(num_ctas(device, head_dim), num_qo_heads // num_kv_heads, head_dim)
+    n = partial_floats(num_ctas(device, head_dim), state_rows(num_qo_heads, num_kv_heads, head_dim, q_len), head_dim)
     ws = torch.zeros(n + max_rows * (1 + num_kv_heads * MAX_COUNTER_STRIDE), dtype=torch.float32, device=device)
     ws[n:n + max_rows].view(torch.int32).copy_(torch.arange(max_rows, dtype=torch.int32, device=device))
     return ws
 
 
-def split_workspace(ws: torch.Tensor, rows: int, num_qo_heads: int, num_kv_heads: int, head_dim: int):
+def split_workspace(ws: torch.Tensor, rows: int, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                    q_len: int = 1):
     """(partial, row ids [rows], counters [rows * Hkv * MAX_COUNTER_STRIDE]) views of a workspace; ValueError
     if it is too small."""
-    n = partial_floats(num_ctas(ws.device, head_dim), num_qo_heads // num_kv_heads, head_dim)
+    n = partial_floats(num_ctas(ws.device, head_dim), state_rows(num_qo_heads, num_kv_heads, head_dim, q_len),
+                       head_dim)
     per_row = num_kv_heads * MAX_COUNTER_STRIDE
     capacity = (ws.numel() - n) // (1 + per_row)
     if rows > capacity:
         raise ValueError(f"the workspace holds {max(capacity, 0)} rows of {num_qo_heads} query / {num_kv_heads} KV "
-                         f"heads of dim {head_dim}, the call {rows} (make it with make_workspace for this shape)")
+                         f"heads of dim {head_dim} at q_len {q_len}, the call {rows} (make it with make_workspace "
+                         f"for this shape and q_len)")
     ids = ws[n:n + capacity].view(torch.int32)
     counters = ws[n + capacity:n + capacity * (1 + per_row)].view(torch.int32)
     return ws[:n], ids[:rows], counters[:rows * per_row]
@@ -80,19 +98,23 @@ def _fail(what: str) -> None:
 
 
 def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale,
-               v_scale) -> Shape:
+               v_scale, window_left=-1, q_len=1, sinks=None) -> Shape:
     """Every refusal of the op, before launch (shapes, dtypes, devices, strides, limits); returns the Shape."""
     if q.dim() != 3:
-        _fail(f"q must be [batch, num_qo_heads, head_dim], got {list(q.shape)}")
+        _fail(f"q must be [batch * q_len, num_qo_heads, head_dim], got {list(q.shape)}")
     if q.dtype not in QUERY_DTYPES:
         _fail(f"q must be float16 or bfloat16, got {q.dtype}")
-    batch, hq, d = q.shape
+    rows_q, hq, d = q.shape
+    check_queries(q_len, window_left, sinks, int(hq), "pkv decode")
+    if rows_q % q_len:
+        _fail(f"q holds q_len={q_len} query tokens per row: its {rows_q} rows are not a multiple of it")
+    batch = rows_q // q_len
     pages, hkv, page, dk = k.shape
     fp8 = k.dtype == FP8
     if k.dtype not in (q.dtype, FP8):
         _fail(f"the KV cache must be q's dtype ({q.dtype}) or float8_e4m3fn, got {k.dtype}")
     for name, t in (("kv_cache", k), ("block_table", block_table), ("seq_lens", seq_lens), ("out", out),
-                    ("lse", lse), ("workspace", workspace)):
+                    ("lse", lse), ("workspace", workspace), ("sinks", sinks)):
         if t is not None and t.device != q.device:
             _fail(f"{name} is on {t.device}, q on {q.device}: every input must be on one device")
     if dk != d:
@@ -123,8 +145,10 @@ def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, lo
     if out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous():
         _fail(f"out must be a contiguous {q.dtype} {list(q.shape)}, got {'' if out.is_contiguous() else 'strided '}"
               f"{out.dtype} {list(out.shape)}")
-    if lse is not None and (lse.shape != (batch, hq) or lse.dtype != torch.float32 or not lse.is_contiguous()):
-        _fail(f"lse must be a contiguous float32 [{batch}, {hq}], got {lse.dtype} {list(lse.shape)}")
+    if lse is not None and (lse.shape != (rows_q, hq) or lse.dtype != torch.float32 or not lse.is_contiguous()):
+        _fail(f"lse must be a contiguous float32 [{rows_q}, {hq}], got {lse.dtype} {list(lse.shape)}")
+    if sinks is not None and not sinks.is_contiguous():
+        _fail("sinks must be contiguous")
     if workspace is not None and (workspace.dtype != torch.float32 or workspace.dim() != 1):
         _fail("workspace must be a 1-D float32 tensor from make_workspace")
     # A scale or cap of inf (or NaN) would make every output NaN: each must be finite.
@@ -137,60 +161,72 @@ def check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, lo
     return shape
 
 
-def _check_values(view_pages: int, page: int, block_table: torch.Tensor, lens: np.ndarray) -> None:
+def _check_values(view_pages: int, page: int, block_table: torch.Tensor, lens: np.ndarray, q_len: int = 1) -> None:
     # Only where the values are on the host already (the CPU path): the GPU path never syncs.
     if (lens < 0).any() or (lens > block_table.shape[1] * page).any():
         _fail(f"seq_lens must be in 0..{block_table.shape[1] * page} (block_table width x page size), "
               f"got {lens.min()}..{lens.max()}")
+    if ((lens > 0) & (lens < q_len)).any():
+        _fail(f"a row of q_len {q_len} holds its {q_len} query tokens in the cache: seq_lens must be 0 or >= "
+              f"{q_len}, got {lens[lens > 0].min()}")
     used = np.concatenate([block_table[i, :-(-int(n) // page)].numpy() for i, n in enumerate(lens)]
                           + [np.zeros(0, np.int32)])
     if len(used) and (used.min() < 0 or used.max() >= view_pages):
         _fail(f"block_table holds page ids {used.min()}..{used.max()}, the KV cache {view_pages} pages")
 
 
-def _cpu(q, k, v, block_table, seq_lens, out, lse, sm_scale, cap, k_scale, v_scale) -> None:
+def _cpu(q, k, v, block_table, seq_lens, out, lse, sm_scale, cap, k_scale, v_scale, window_left, q_len,
+         sinks) -> None:
     from pkv.kernels.reference import run_schedule
 
     lens = seq_lens.numpy().astype(np.int64)
-    _check_values(k.shape[0], k.shape[2], block_table, lens)
+    _check_values(k.shape[0], k.shape[2], block_table, lens, q_len)
     kv = torch.stack([k.float() * k_scale, v.float() * v_scale], dim=1)   # the oracle reads [pages, 2, Hkv, P, D]
-    schedule = graph_schedule(lens, k.shape[1], num_ctas(q.device, k.shape[3]), GRAPH_MIN_TILES)
+    queries = Queries.of(q.shape[1] // k.shape[1], k.shape[3], q_len, window_left)
+    schedule = graph_schedule(lens, k.shape[1], num_ctas(q.device, k.shape[3]), GRAPH_MIN_TILES, PIECE_COST, queries)
     lse32 = None if lse is None else torch.empty(lse.shape, dtype=torch.float32)
-    res = run_schedule(q, kv, block_table, seq_lens, schedule, sm_scale, cap, lse32)
-    rows = torch.as_tensor(lens > 0)   # rows of length 0 are padding: left unwritten, as on the GPU
+    res = run_schedule(q, kv, block_table, seq_lens, schedule, sm_scale, cap, lse32, queries=queries, sinks=sinks)
+    rows = torch.as_tensor(np.repeat(lens > 0, q_len))   # rows of length 0 are padding: left unwritten, as on the GPU
     out[rows] = res[rows].to(out.dtype)
     if lse is not None:
         lse[rows] = lse32[rows]
 
 
-def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_scale, v_scale) -> None:
+def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_scale, v_scale, window_left, q_len,
+          sinks) -> None:
     from pkv.kernels.loader import ops
 
     if k.data_ptr() % ALIGN or v.data_ptr() % ALIGN:
         _fail(f"K and V must start on {ALIGN}-byte boundaries")
-    batch, hq, d = q.shape
+    rows_q, hq, d = q.shape
+    batch = rows_q // q_len
     if workspace is None:
-        workspace = make_workspace(batch, hq, k.shape[1], d, q.device)
-    partial, ids, counters = split_workspace(workspace, batch, hq, k.shape[1], d)
+        workspace = make_workspace(batch, hq, k.shape[1], d, q.device, q_len)
+    partial, ids, counters = split_workspace(workspace, batch, hq, k.shape[1], d, q_len)
     ops().graph_decode_paged(q, k, v, block_table, seq_lens, ids, out, lse, partial, counters, num_ctas(q.device, d),
-                             GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, piece_cost=PIECE_COST)
+                             GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, piece_cost=PIECE_COST,
+                             window_left=window_left, q_len=q_len, sinks=sinks)
 
 
 @torch.library.custom_op("pkv_api::paged_decode", mutates_args=("out", "lse", "workspace"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, workspace: torch.Tensor | None, out: torch.Tensor,
                  lse: torch.Tensor | None, sm_scale: float, logits_soft_cap: float, k_scale: float,
-                 v_scale: float) -> None:
-    """Decode attention of q [B, Hq, D] over K, V [pages, Hkv, P, D] (strided views) into out (and lse)."""
-    check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
+                 v_scale: float, window_left: int = -1, q_len: int = 1, sinks: torch.Tensor | None = None) -> None:
+    """Decode attention of q [B * q_len, Hq, D] over K, V [pages, Hkv, P, D] (strided views) into out (and lse)."""
+    args = (q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
+    check_args(*args, window_left, q_len, sinks)
     if q.device.type == "cuda":
-        _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
+        _cuda(*args, window_left, q_len, sinks)
     else:
-        if workspace is not None:
-            split_workspace(workspace, q.shape[0], q.shape[1], k.shape[1], q.shape[2])   # its capacity, as on CUDA
-        _cpu(q, k, v, block_table, seq_lens, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
+        if workspace is not None:   # its capacity, as on CUDA
+            split_workspace(workspace, q.shape[0] // q_len, q.shape[1], k.shape[1], q.shape[2], q_len)
+        _cpu(q, k, v, block_table, seq_lens, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale, window_left,
+             q_len, sinks)
 
 
 @paged_decode.register_fake
-def _(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale) -> None:
-    check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
+def _(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale,
+      window_left=-1, q_len=1, sinks=None) -> None:
+    check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale,
+               window_left, q_len, sinks)

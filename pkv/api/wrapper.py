@@ -38,7 +38,7 @@ class DecodeWrapper:
 
     def __init__(self, max_batch: int, max_pages: int, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, layout: str = "HND", dtype: torch.dtype = torch.float16, kv_fp8: bool = False,
-                 device: torch.device | str = "cuda"):
+                 device: torch.device | str = "cuda", q_len: int = 1):
         if dtype not in QUERY_DTYPES:
             raise ValueError(f"pkv decode: queries are float16 or bfloat16, got {dtype}")
         if not (isinstance(max_pages, int) and max_pages >= 1):
@@ -50,7 +50,8 @@ class DecodeWrapper:
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         self.layout, self.max_batch, self.max_pages = layout, max_batch, max_pages
         self.device = torch.device(device)
-        self.workspace = make_workspace(max_batch, num_qo_heads, num_kv_heads, head_dim, self.device)
+        self.q_len = q_len   # query tokens per row: every run() takes q [b * q_len, H_qo, D]
+        self.workspace = make_workspace(max_batch, num_qo_heads, num_kv_heads, head_dim, self.device, q_len)
         self.meta = torch.zeros(max_batch * (1 + max_pages), dtype=torch.int32, device=self.device)
         self.seq_lens = self.meta[:max_batch]
         self.block_table = self.meta[max_batch:].view(max_batch, max_pages)
@@ -111,17 +112,21 @@ class DecodeWrapper:
 
     def run(self, q: torch.Tensor, kv_layer, *, out: torch.Tensor | None = None, return_lse: bool = False,
             sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale: float | None = None,
-            v_scale: float | None = None):
+            v_scale: float | None = None, window_left: int | None = None, sinks: torch.Tensor | None = None):
         """One layer's decode over its own KV (a tensor or (K, V) pair in the wrapper's layout), with the
-        metadata of the last update(); q has up to max_batch rows. Same options and result as pkv.api.decode."""
+        metadata of the last update(); q has up to max_batch rows of the wrapper's q_len tokens. Same options
+        and result as pkv.api.decode (window_left and sinks per layer)."""
         if not self._updated:
             raise ValueError("pkv decode: run() before any update(): give the step's block_table and seq_lens first")
         view = kv_view(kv_layer, self.layout)
         _check_reading(view, self.layout, self.shape.num_kv_heads, self.shape.page_size)
-        rows = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
+        ql = self.q_len
+        rows_q = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() == 3 else -1
+        rows = rows_q // ql
         s = self.shape
-        if not 1 <= rows <= self.max_batch or tuple(q.shape[1:]) != (s.num_qo_heads, s.head_dim):
-            raise ValueError(f"pkv decode: this wrapper takes q [1..{self.max_batch}, {s.num_qo_heads}, "
+        if rows_q % ql or not 1 <= rows <= self.max_batch or tuple(q.shape[1:]) != (s.num_qo_heads, s.head_dim):
+            each = "" if ql == 1 else f" x q_len {ql}"
+            raise ValueError(f"pkv decode: this wrapper takes q [1..{self.max_batch}{each}, {s.num_qo_heads}, "
                              f"{s.head_dim}], got {list(getattr(q, 'shape', []))}")
         if q.dtype != s.torch_dtype:
             raise ValueError(f"pkv decode: this wrapper was made for {s.torch_dtype} queries, got {q.dtype}")
@@ -130,4 +135,4 @@ class DecodeWrapper:
             raise ValueError(f"pkv decode: this wrapper was made for {made}, the layer's KV cache is {view.k.dtype}")
         return run_op(q, view, self.block_table[:rows], self.seq_lens[:rows], self.workspace, sm_scale=sm_scale,
                       logits_soft_cap=logits_soft_cap, out=out, return_lse=return_lse, k_scale=k_scale,
-                      v_scale=v_scale)
+                      v_scale=v_scale, window_left=window_left, q_len=ql, sinks=sinks)

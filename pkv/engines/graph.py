@@ -27,8 +27,10 @@ from pkv.plan.device_schedule import (
     GRAPH_MIN_TILES,
     MAX_COUNTER_STRIDE,
     MAX_PIECE_COST,
+    MAX_Q_LEN,
     MAX_SPIN_NS,
     PIECE_COST,
+    Queries,
     graph_schedule,
 )
 from pkv.plan.schedule import Counters, slot_floats
@@ -39,6 +41,20 @@ PAGE_SCALE_MIN_PAGE = 16    # kChunk in csrc/attend.cuh: one page factor per 16-
 MAX_GROUP = 16          # kMaxGroup in csrc/attend.cuh (8 at head_dim 256)
 CTAS_PER_SM = {64: 3, 128: 2, 256: 1}   # AttendCfg<D>::kCtasPerSm in csrc/attend.cuh
 CPU_NUM_CTAS = 264      # the H200's 132 SMs x 2: the CPU oracle cuts steps like the reference GPU
+
+
+def check_queries(q_len, window_left, sinks, num_qo_heads: int, who: str = "the graph decode") -> None:
+    """The query options' refusals, one line each: q_len 1..MAX_Q_LEN, window_left an int >= -1
+    (-1: off), sinks None or a float32 tensor [num_qo_heads]."""
+    if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(f"{who}: q_len is 1..{MAX_Q_LEN} query tokens per row, got {q_len!r}")
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"{who}: window_left is an int >= 0 (keys [p - window_left, p]) or -1/None (off), "
+                         f"got {window_left!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32
+                              or tuple(sinks.shape) != (num_qo_heads,)):
+        got = f"{sinks.dtype} {list(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"{who}: sinks must be a float32 tensor [num_qo_heads={num_qo_heads}], got {got}")
 
 
 def check_graph_shape(shape, scales=None) -> None:
@@ -69,8 +85,8 @@ class GraphPlan(Plan):
     @property
     def counters(self) -> Counters:
         if self._counters is None:
-            shape, num_ctas, min_tiles, num_sms, piece_cost = self._counter_args
-            cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles, piece_cost)
+            shape, num_ctas, min_tiles, num_sms, piece_cost, queries = self._counter_args
+            cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles, piece_cost, queries)
             self._counters = Counters(1, 0, 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
                                       int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes),
                                       int(cost.task_bytes))
@@ -78,11 +94,20 @@ class GraphPlan(Plan):
 
 
 class GraphEngine(Engine):
+    """window_left (-1: off), q_len (query tokens per row: q is [rows * q_len, Hq, D]) and sinks
+    (float32 [Hq]) are the layer's attention (pkv.plan.device_schedule.Queries, docs/api.md)."""
+
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
                  min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None,
-                 piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0):
+                 piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0,
+                 window_left: int = -1, q_len: int = 1, sinks=None):
         super().__init__(cache)
         s = cache.shape
+        if isinstance(sinks, (list, tuple)):
+            sinks = torch.tensor(sinks, dtype=torch.float32)
+        check_queries(q_len, window_left, sinks, s.num_qo_heads)
+        self.queries = Queries.of(s.group, s.head_dim, q_len, window_left)
+        self.sinks = None if sinks is None else sinks.to(cache.device).contiguous()
         self.gpu = cache.kv.is_cuda
         if self.gpu:
             check_graph_shape(s, cache.scales)
@@ -98,9 +123,9 @@ class GraphEngine(Engine):
         self.piece_cost = int(piece_cost)
         # The in-grid merge's diagnosis options (csrc/graph_merge.cuh, spin_pause): where the
         # segments' counters sit (ints apart) and the mergers' spin back-off (ns a poll).
-        if not (1 <= counter_stride <= MAX_COUNTER_STRIDE and 0 <= spin_ns <= MAX_SPIN_NS):
-            raise ValueError(f"counter_stride is 1..{MAX_COUNTER_STRIDE} and spin_ns 0..{MAX_SPIN_NS}, got "
-                             f"{counter_stride} and {spin_ns}")
+        if not (1 <= counter_stride * self.queries.blocks <= MAX_COUNTER_STRIDE and 0 <= spin_ns <= MAX_SPIN_NS):
+            raise ValueError(f"counter_stride x query blocks ({self.queries.blocks}) is 1..{MAX_COUNTER_STRIDE} and "
+                             f"spin_ns 0..{MAX_SPIN_NS}, got {counter_stride} and {spin_ns}")
         self.counter_stride, self.spin_ns = int(counter_stride), int(spin_ns)
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
@@ -108,10 +133,10 @@ class GraphEngine(Engine):
         else:
             sms = num_sms or CPU_NUM_CTAS // 2
             self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
-        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.piece_cost)
+        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.piece_cost, self.queries)
         dev = cache.device
         slots = 2 * self.num_ctas
-        self.partial = torch.empty(slots * slot_floats(s) + 4, dtype=torch.float32, device=dev)
+        self.partial = torch.empty(slots * slot_floats(s) * self.queries.block + 4, dtype=torch.float32, device=dev)
         self.counters = torch.zeros(self.max_rows * s.num_kv_heads * MAX_COUNTER_STRIDE, dtype=torch.int32,
                                     device=dev)
         # [lengths | request ids] of one step, at a fixed address (a captured graph reads it),
@@ -133,8 +158,9 @@ class GraphEngine(Engine):
         return GraphPlan(step, self.name, 1, rows, self._counter_args)
 
     def run(self, q: torch.Tensor, plan: GraphPlan, layer: PagedCache | None = None) -> torch.Tensor:
-        if q.shape[0] != plan.rows:
-            raise ValueError(f"{self.name}: q has {q.shape[0]} rows, the plan {plan.rows}")
+        ql = self.queries.q_len
+        if q.shape[0] != plan.rows * ql:
+            raise ValueError(f"{self.name}: q has {q.shape[0]} rows, the plan {plan.rows} rows x q_len {ql}")
         c = self.layer(layer)
         out = torch.empty_like(q)
         if self.gpu:
@@ -143,14 +169,19 @@ class GraphEngine(Engine):
                                             "v_scale": sc.v_scale}
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
-                                  piece_cost=self.piece_cost, counter_stride=self.counter_stride, spin_ns=self.spin_ns)
+                                  piece_cost=self.piece_cost, counter_stride=self.counter_stride, spin_ns=self.spin_ns,
+                                  window_left=self.queries.window_left, q_len=ql, sinks=self.sinks)
             return out
         b = plan.step.active
+        if ql > 1 and (np.asarray(plan.step.seq_lens)[:b] < ql).any():
+            raise ValueError(f"{self.name}: a row of q_len {ql} holds at least {ql} tokens (its drafts), got "
+                             f"{int(np.min(plan.step.seq_lens))}")
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))
         table = self.cache.block_table[torch.as_tensor(plan.step.request_ids)]
         schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles,
-                                  self.piece_cost)
-        out[:b] = run_schedule(q[:b], c.values(), table, lens, schedule).to(q.dtype)
+                                  self.piece_cost, self.queries)
+        out[:b * ql] = run_schedule(q[:b * ql], c.values(), table, lens, schedule, queries=self.queries,
+                                    sinks=self.sinks).to(q.dtype)
         return out
 
 

@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from pkv.core.shape import Shape
-from pkv.plan.device_schedule import PIECE_COST, grid_ctas, setup_units
+from pkv.plan.device_schedule import ONE_QUERY, PIECE_COST, Queries, grid_ctas, setup_units
 from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, workqueue_row_splits
 
 OBJECTIVES = ("serial", "overlapped")   # the words of pkv.engines.table.ENUM_OPTIONS["objective"]
@@ -413,17 +413,18 @@ def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
 
 
 def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
-                 piece_cost: int = PIECE_COST) -> tuple[int, int]:
+                 piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY) -> tuple[int, int]:
     """(CTAs with work, partial states of the cut segments) of pkv-graph's device rule
     (pkv.plan.device_schedule: n CTAs take equal ranges of the step's units, a segment's
     tiles after its set-up units; a segment that a range boundary falls inside its tiles
     is cut, and each of its pieces leaves one partial state to merge). Equal to what
     graph_pieces lists (tests/test_router_graph.py), without listing the pieces: plain ints for a list of
-    up to SMALL_ROWS rows without set-up units (the router's misses), else O(n) numpy."""
-    if piece_cost == 0 and isinstance(seq_lens, list) and len(seq_lens) <= SMALL_ROWS:
+    up to SMALL_ROWS rows without set-up units (the router's misses), else O(n) numpy. queries: a
+    row's work is its window's tiles, its segments KV heads x query blocks (pkv.plan.device_schedule)."""
+    if piece_cost == 0 and queries == ONE_QUERY and isinstance(seq_lens, list) and len(seq_lens) <= SMALL_ROWS:
         return _graph_counts_small(seq_lens, num_kv_heads, num_ctas, min_tiles)
-    tiles = (np.asarray(seq_lens, dtype=np.int64) + (TILE_TOKENS - 1)) // TILE_TOKENS
-    h = num_kv_heads
+    tiles = queries.tiles(np.asarray(seq_lens, dtype=np.int64))
+    h = num_kv_heads * queries.blocks
     work = int(tiles.sum()) * h
     if work == 0:
         return 0, 0
@@ -484,18 +485,26 @@ def _setup_only(bounds, units: int, ends, seg_units, setup, h: int) -> int:
     return int(np.count_nonzero(first + (hi - lo) <= setup[rows]))
 
 
-def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost: int = PIECE_COST) -> RouteCost:
+def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost: int = PIECE_COST,
+               queries: Queries = ONE_QUERY) -> RouteCost:
     """pkv-graph on one step: all useful KV bytes in one launch over `ctas` CTAs, plus the
     cut segments' partial states (merge bytes). An integer array is counted in numpy, any
-    other sequence as a list of ints (graph_counts)."""
+    other sequence as a list of ints (graph_counts). queries: a windowed row reads its window
+    (pkv.plan.device_schedule.Queries.window_tokens), once per query block; a state holds the
+    block's G x tokens query rows."""
     lens = seq_lens if isinstance(seq_lens, np.ndarray) else _lengths(seq_lens)
-    h = shape.num_kv_heads
-    n, states = graph_counts(lens, h, num_ctas, min_tiles, piece_cost)
-    tiles = num_tiles(lens.astype(np.int64)) if isinstance(lens, np.ndarray) else [num_tiles(x) for x in lens]
+    h = shape.num_kv_heads * queries.blocks
+    n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles, piece_cost, queries)
+    if queries == ONE_QUERY:
+        tiles = num_tiles(lens.astype(np.int64)) if isinstance(lens, np.ndarray) else [num_tiles(x) for x in lens]
+        read = lens
+    else:
+        arr = np.asarray(lens, dtype=np.int64)
+        tiles, read = queries.tiles(arr), queries.window_tokens(arr)
     units = _total(tiles) * h                                          # a CTA's range: its share of the units
     task = -(-units // n) * TILE_TOKENS * shape.kv_bytes_per_head_token if n else 0
-    return RouteCost(GRAPH, float(_total(lens) * shape.kv_bytes_per_token), float(n), 1,
-                     float(states * slot_bytes(shape)), task_bytes=float(task))
+    return RouteCost(GRAPH, float(_total(read) * shape.kv_bytes_per_token * queries.blocks), float(n), 1,
+                     float(states * slot_bytes(shape) * queries.block), task_bytes=float(task))
 
 
 def eligible(shape: Shape, seq_lens, k: Constants) -> bool:
