@@ -87,7 +87,31 @@ struct Range {
   float out_scale;         // FP8: the V tensor scale, applied to the CTA's output state
   float cap_log2 = 0.f;    // logits soft cap times log2(e); 0 = off
   unsigned long long* trace = nullptr;  // PKV_TRACE builds: this piece's trace record, or null
+  // The pass's query rows (the graph decode's; the defaults are one token of `group` heads that
+  // reads every key below valid_end). MMA row m is token m / group, head m % group.
+  int rows = 0;              // G x tokens (0: group)
+  int64_t q_tok_stride = 0;  // elements between the pass's query tokens (Hq * D)
+  int pos0 = -1;             // position of the pass's first token: row m reads keys <= pos0 + m / group
+                             // (-1: every key below valid_end)
+  int window = -1;           // and keys >= its position - window (-1: no window)
 };
+
+__device__ __forceinline__ int pass_rows(const Range& a) { return a.rows ? a.rows : a.group; }
+// Element offset of MMA row m's query in a range's q (and out).
+__device__ __forceinline__ int64_t q_row_offset(const Range& a, int m, int D) {
+  return (m / a.group) * a.q_tok_stride + static_cast<int64_t>(m % a.group) * D;
+}
+// The keys [lo, hi] MMA row m reads (its token's position, the causal bound and the window), within
+// the range's valid keys.
+struct KeyBounds {
+  int lo, hi;
+  __device__ __forceinline__ bool has(int t) const { return t >= lo && t <= hi; }
+};
+__device__ __forceinline__ KeyBounds key_bounds(const Range& a, int m) {
+  if (a.pos0 < 0) return {0, a.valid_end - 1};
+  const int pos = a.pos0 + m / a.group;
+  return {a.window >= 0 ? pos - a.window : 0, min(pos, a.valid_end - 1)};
+}
 
 // Logits soft cap on a log2-domain logit x: c tanh(x / c) is cap tanh(s / cap) scaled by log2(e).
 __device__ __forceinline__ float soft_cap(float x, float c) { return c > 0.f ? c * tanhf(x / c) : x; }
@@ -187,7 +211,7 @@ template <int D, bool kFp8> struct KvPipe {
 // The CTA's state from its warps' (m, l, acc) rows, already written to shared memory at
 // sm_m[w * 16 + h], sm_l[w * 16 + h], sm_acc[(w * 16 + h) * D + d]; the caller synced.
 template <int D, class Emit>
-__device__ __forceinline__ void merge_warps(const float* sm, int G, float out_scale, Emit&& emit) {
+__device__ __forceinline__ void merge_warps(const float* sm, int G, float out_scale, Emit&& emit) {  // G: the rows
   const float* sm_m = sm;
   const float* sm_l = sm_m + kWarps * 16;
   const float* sm_acc = sm_l + kWarps * 16;
@@ -215,7 +239,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
   using C = AttendCfg<D>;
   constexpr int kAcc = 2 * kRows;  // accumulator floats per lane per 8-column block
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  const int G = a.group;
+  const int G = pass_rows(a);  // MMA rows in use
   const KvPipe<D, false> pipe(a, smem);
 
   float o[D / 8][kAcc];
@@ -241,22 +265,28 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
   // 16k + 8 khalf + 2 t4 ..+1; zero past G), loaded after the first KV copies are in
   // flight so the two latencies overlap.
   const T* qsrc = reinterpret_cast<const T*>(a.q);
-  if constexpr (C::kQInSmem) {
+  if constexpr (C::kQInSmem) {  // rows packed: row m at m * D
     T* qs = reinterpret_cast<T*>(smem + C::kQOffset);
     for (int i = threadIdx.x; i < G * D / 8; i += kThreads)
-      reinterpret_cast<uint4*>(qs)[i] = reinterpret_cast<const uint4*>(qsrc)[i];
+      reinterpret_cast<uint4*>(qs)[i] = *reinterpret_cast<const uint4*>(qsrc + q_row_offset(a, i / (D / 8), D) + i % (D / 8) * 8);
     __syncthreads();
     qsrc = qs;
+  }
+  int64_t q_at[kRows];  // this lane's rows' offsets in qsrc (-1: a row past G, zero)
+  KeyBounds keys[kRows];
+#pragma unroll
+  for (int rh = 0; rh < kRows; ++rh) {
+    const int row = gid + 8 * rh;
+    q_at[rh] = row < G ? (C::kQInSmem ? static_cast<int64_t>(row) * D : q_row_offset(a, row, D)) : -1;
+    keys[rh] = key_bounds(a, row);
   }
   auto q_frag = [&](int k, uint32_t (&f)[kAcc]) {
 #pragma unroll
     for (int kh = 0; kh < 2; ++kh)
 #pragma unroll
-      for (int rh = 0; rh < kRows; ++rh) {
-        const int row = gid + 8 * rh;
+      for (int rh = 0; rh < kRows; ++rh)
         f[kh * kRows + rh] =
-            row < G ? *reinterpret_cast<const uint32_t*>(qsrc + row * D + 16 * k + 8 * kh + 2 * t4) : 0u;
-      }
+            q_at[rh] >= 0 ? *reinterpret_cast<const uint32_t*>(qsrc + q_at[rh] + 16 * k + 8 * kh + 2 * t4) : 0u;
   };
   uint32_t qa[C::kQInSmem ? 1 : D / 16][kAcc];
   if constexpr (!C::kQInSmem) {
@@ -299,7 +329,7 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
         for (int e = 0; e < 2; ++e) {
           const int t = tok0 + n * 8 + 2 * t4 + e;
           float& x = s[n][2 * rh + e];
-          x = t < a.valid_end ? soft_cap(x * a.scale_log2, a.cap_log2) : -INFINITY;
+          x = keys[rh].has(t) ? soft_cap(x * a.scale_log2, a.cap_log2) : -INFINITY;
           mx = fmaxf(mx, x);
         }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));

@@ -61,7 +61,7 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
   static_assert(!C::kQInSmem, "the FP8 path is built for head_dim <= 128");
   constexpr int kSub = C::kSub, kPc = D / 16;  // sub-chunks per step; 16-dim pieces
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
-  const int G = a.group;
+  const int G = pass_rows(a);  // query rows in use (the N columns)
   const KvPipe<D, true> pipe(a, smem);
 
   float o[kHB][kPc][4];  // O^T: rows dims 16p + 2gid (+1 for [2], [3]), columns heads 8hb + 2t4 (+1)
@@ -91,14 +91,19 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
   const T* q = reinterpret_cast<const T*>(a.q);
   uint32_t qb[kHB][kPc][2];
 #pragma unroll
-  for (int hb = 0; hb < kHB; ++hb)
+  for (int hb = 0; hb < kHB; ++hb) {
+    const int head = 8 * hb + gid;
+    const T* qh = q + (head < G ? q_row_offset(a, head, D) : 0);
 #pragma unroll
     for (int p = 0; p < kPc; ++p)
 #pragma unroll
-      for (int kh = 0; kh < 2; ++kh) {
-        const int head = 8 * hb + gid;
-        qb[hb][p][kh] = head < G ? q_f16x2(q + head * D + 16 * p + 4 * t4 + 2 * kh) : 0u;
-      }
+      for (int kh = 0; kh < 2; ++kh) qb[hb][p][kh] = head < G ? q_f16x2(qh + 16 * p + 4 * t4 + 2 * kh) : 0u;
+  }
+  KeyBounds keys[kHB][2];  // the keys of this lane's columns (query rows 8hb + 2t4 + e)
+#pragma unroll
+  for (int hb = 0; hb < kHB; ++hb)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) keys[hb][e] = key_bounds(a, 8 * hb + 2 * t4 + e);
   // This lane's ldmatrix row: matrices (tokens 0-7 | 8-15) x (piece p | p + 1).
   const int ltok = (lane & 7) + (((lane >> 3) & 1) << 3), lhi = lane >> 4;
 
@@ -160,11 +165,11 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
       for (int h = 0; h < kSub; ++h)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const bool valid = tok0 + kChunk * h + 8 * r + gid < a.valid_end;
+          const int t = tok0 + kChunk * h + 8 * r + gid;
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             float& x = s[hb][h][2 * r + e];
-            x = valid ? soft_cap(x * qk_scale[h], a.cap_log2) : -INFINITY;
+            x = keys[hb][e].has(t) ? soft_cap(x * qk_scale[h], a.cap_log2) : -INFINITY;
             mx[e] = fmaxf(mx[e], x);
           }
         }

@@ -106,7 +106,8 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& lse, const at::Tensor& partial, const at::Tensor& counters,
                         int64_t num_ctas, int64_t min_tiles, const std::optional<at::Tensor>& page_scales,
                         double k_scale, double v_scale, double sm_scale, double logits_soft_cap,
-                        int64_t piece_cost, int64_t counter_stride, int64_t spin_ns) {
+                        int64_t piece_cost, int64_t counter_stride, int64_t spin_ns, int64_t window_left,
+                        int64_t q_len, const std::optional<at::Tensor>& sinks) {
   check_cuda(q, "q"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
   TORCH_CHECK(k.is_cuda() && v.is_cuda() && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
@@ -127,20 +128,32 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(seq_lens.scalar_type() == at::kInt && req_ids.scalar_type() == at::kInt &&
               block_table.scalar_type() == at::kInt && counters.scalar_type() == at::kInt, "pkv: int32 metadata expected");
   TORCH_CHECK(partial.scalar_type() == at::kFloat, "pkv.graph_decode: float32 partial workspace expected");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "pkv: q, out [B,Hq,D] expected");
-  const int64_t rows = q.size(0), H = k.size(1), D = k.size(3);
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "pkv: q, out [B * q_len,Hq,D] expected");
+  TORCH_CHECK(q_len >= 1 && q_len <= pkv::kMaxQLen && q.size(0) % q_len == 0, "pkv.graph_decode: q_len is 1..",
+              pkv::kMaxQLen, " and divides q's rows, got ", q_len);
+  TORCH_CHECK(window_left >= -1 && window_left < (int64_t{1} << 30), "pkv.graph_decode: window_left >= -1, got ",
+              window_left);
+  const int64_t rows = q.size(0) / q_len, H = k.size(1), D = k.size(3);
   TORCH_CHECK(seq_lens.numel() == rows && req_ids.numel() == rows, "pkv.graph_decode: seq_lens/req_ids need B entries");
   TORCH_CHECK(q.size(1) % H == 0 && q.size(2) == D, "pkv.graph_decode: q heads/head_dim do not match kv");
   const int64_t G = q.size(1) / H;
+  const int q_block = pkv::graph_query_block(static_cast<int>(G), static_cast<int>(D), static_cast<int>(q_len));
+  const int q_blocks = static_cast<int>((q_len + q_block - 1) / q_block);
+  const int64_t slot_rows = G * q_block;  // query rows a partial state holds
   TORCH_CHECK(counters.numel() >= rows * H * pkv::kMaxCounterStride, "pkv.graph_decode: counters need B * Hkv * ",
               pkv::kMaxCounterStride, " entries");
-  TORCH_CHECK(partial.numel() >= pkv::acc_offset(2 * num_ctas, G) + 2 * num_ctas * G * D,
-              "pkv.graph_decode: partial workspace too small for num_ctas");
+  TORCH_CHECK(partial.numel() >= pkv::acc_offset(2 * num_ctas, slot_rows) + 2 * num_ctas * slot_rows * D,
+              "pkv.graph_decode: partial workspace too small for num_ctas and q_len");
   const int64_t P = k.size(2);
   TORCH_CHECK(P > 0 && (P & (P - 1)) == 0, "pkv: page size must be a power of two");
   if (lse) {
     check_cuda(*lse, "lse");
-    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->numel() == rows * q.size(1), "pkv.graph_decode: lse [B, Hq] float32");
+    TORCH_CHECK(lse->scalar_type() == at::kFloat && lse->numel() == q.size(0) * q.size(1),
+                "pkv.graph_decode: lse [B * q_len, Hq] float32");
+  }
+  if (sinks) {
+    check_cuda(*sinks, "sinks");
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->numel() == q.size(1), "pkv.graph_decode: sinks [Hq] float32");
   }
   TORCH_CHECK(sm_scale > 0 && logits_soft_cap >= 0, "pkv.graph_decode: sm_scale > 0 and logits_soft_cap >= 0");
   const at::cuda::CUDAGuard guard(q.device());
@@ -177,6 +190,13 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   p.scale_log2 = static_cast<float>(M_LOG2E * sm_scale);
   p.k_scale = static_cast<float>(k_scale);
   p.v_scale = static_cast<float>(v_scale);
+  p.window_left = static_cast<int>(window_left);
+  p.q_len = static_cast<int>(q_len);
+  p.q_block = q_block;
+  p.q_blocks = q_blocks;
+  TORCH_CHECK(counter_stride * q_blocks <= pkv::kMaxCounterStride, "pkv.graph_decode: counter_stride x query blocks (",
+              q_blocks, ") is at most ", pkv::kMaxCounterStride);
+  p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
   if (page_scales) {
     check_cuda(*page_scales, "page_scales");
     TORCH_CHECK(page_scales->scalar_type() == at::kFloat && page_scales->dim() == 3 &&
@@ -195,12 +215,14 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
                   const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
                   const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
                   const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale, int64_t piece_cost,
-                  int64_t counter_stride, int64_t spin_ns) {
+                  int64_t counter_stride, int64_t spin_ns, int64_t window_left, int64_t q_len,
+                  const std::optional<at::Tensor>& sinks) {
   check_cuda(kv, "kv");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "pkv: kv[pages,2,Hkv,P,D] expected");
   graph_decode_paged(q, kv.select(1, 0), kv.select(1, 1), block_table, seq_lens, req_ids, out, std::nullopt, partial,
                      counters, num_ctas, min_tiles, page_scales, k_scale, v_scale,
-                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, piece_cost, counter_stride, spin_ns);
+                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, piece_cost, counter_stride, spin_ns,
+                     window_left, q_len, sinks);
 }
 
 int64_t graph_ctas_per_sm(int64_t head_dim) { return pkv::graph_decode_ctas_per_sm(static_cast<int>(head_dim)); }
@@ -239,11 +261,12 @@ TORCH_LIBRARY(pkv, m) {
   m.def("read_probe(Tensor src, Tensor(a!) sink, int blocks) -> ()");
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
-        "float k_scale=1.0, float v_scale=1.0, int piece_cost=8, int counter_stride=1, int spin_ns=0) -> ()");
+        "float k_scale=1.0, float v_scale=1.0, int piece_cost=8, int counter_stride=1, int spin_ns=0, "
+        "int window_left=-1, int q_len=1, Tensor? sinks=None) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
         "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int piece_cost=8, "
-        "int counter_stride=1, int spin_ns=0) -> ()");
+        "int counter_stride=1, int spin_ns=0, int window_left=-1, int q_len=1, Tensor? sinks=None) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
   m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
 }

@@ -81,6 +81,34 @@ __device__ __forceinline__ int active_ctas(int64_t W, int segments, const GraphD
 
 __device__ __forceinline__ int tiles_of(int len) { return (len + kTile - 1) / kTile; }
 
+// A row's first tile: the one holding max(0, len - q_len - window_left), the first key any of its
+// queries reads (0 without a window); tiles stay aligned to kTile positions.
+__device__ __forceinline__ int first_tile(int len, const GraphDecodeParams& p) {
+  if (p.window_left < 0) return 0;
+  const int t = len - p.q_len - p.window_left;
+  return t > 0 ? t / kTile : 0;
+}
+// A row's work in tiles (pkv.plan.device_schedule.Queries.tiles): those covering its window.
+__device__ __forceinline__ int row_tiles(int len, const GraphDecodeParams& p) { return tiles_of(len) - first_tile(len, p); }
+// Segments per row in the cut: KV heads x query blocks.
+__device__ __forceinline__ int segments_per_row(const GraphDecodeParams& p) { return p.num_kv_heads * p.q_blocks; }
+
+// The query rows of segment h of row r (KV head h / q_blocks, query block h % q_blocks): rows
+// query rows (G x its tokens) from token `first` of the row; MMA row m is token first + m / G,
+// head m % G of the KV head, at row at(m) of q, out ([num_rows * q_len, Hq]) and lse.
+struct QueryRows {
+  int64_t base;   // q's row (of Hq heads) of the segment's first token
+  int head0;      // its first query head: kv head * G
+  int group, hq, first, rows;
+  __device__ __forceinline__ int64_t at(int m) const { return (base + m / group) * hq + head0 + m % group; }
+};
+__device__ __forceinline__ QueryRows query_rows(const GraphDecodeParams& p, int r, int h) {
+  const int b = h % p.q_blocks, first = b * p.q_block;
+  const int tokens = min(p.q_len - first, p.q_block);
+  return {static_cast<int64_t>(r) * p.q_len + first, (h / p.q_blocks) * p.group, p.group,
+          p.num_kv_heads * p.group, first, tokens * p.group};
+}
+
 // Row i's tiles of a thread's rows, from their inclusive prefix sums (where its lengths are
 // no longer held in registers).
 template <int kPer>
@@ -93,7 +121,6 @@ __device__ __forceinline__ int tiles_at(const int (&inc)[kPer], int i) { return 
 struct SetupUnits {
   int cost, below;
   __device__ __forceinline__ int of_tiles(int t) const { return t > 0 && t < below ? cost : 0; }
-  __device__ __forceinline__ int of(int len) const { return of_tiles(tiles_of(len)); }
 };
 
 // The step's scan (pkv.plan.device_schedule.Cut): rows' tiles scanned (scan_rows) into inc,
@@ -111,10 +138,10 @@ __device__ __forceinline__ void scan_units(const GraphDecodeParams& p, const int
                                            int* nonzero, int* ctas, SetupUnits* setup) {
   int units[kPer];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) units[i] = tiles_of(len[i]);
+  for (int i = 0; i < kPer; ++i) units[i] = row_tiles(len[i], p);
   scan_rows<kThreadsT>(units, inc, s_warp, s_nzw, before, total, nonzero);
-  const int64_t wt = static_cast<int64_t>(*total) * p.num_kv_heads;
-  const int n = active_ctas(wt, *nonzero * p.num_kv_heads, p);
+  const int64_t wt = static_cast<int64_t>(*total) * segments_per_row(p);
+  const int n = active_ctas(wt, *nonzero * segments_per_row(p), p);
   *ctas = n, *vtotal = *total, *setup = SetupUnits{0, 0};
   if (p.piece_cost == 0 || wt == 0) return;
   const SetupUnits one{1, static_cast<int>(floor_div(wt - 1, n)) + 1};
@@ -171,7 +198,7 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
 #pragma unroll
   for (int i = 0; i < kPer; ++i) {
     const int r = tid * kPer + i;
-    run += setup.of(len[i]);
+    run += setup.of_tiles(row_tiles(len[i], p));
     if (r < R) {                              // nothing reads the rows past the step's
       s_inc[r] = run + inc[i];
       s_len[r] = len[i];
@@ -184,19 +211,20 @@ __device__ __forceinline__ int scan_step(const GraphDecodeParams& p, int* s_inc,
 
 
 // The piece of a CTA's range that starts at unit u (< hi): its row r (rows before `from` end at
-// or before u), KV head h, segment [seg_begin, seg_end), end (the segment's or the range's),
-// set-up units and tiles [tile_lo, tile_hi) (after the set-up units; tile_hi <= 0: set-up units
-// only, no piece).
+// or before u), segment h of the row (H = segments_per_row), segment [seg_begin, seg_end), end (the segment's or the range's),
+// set-up units and tiles [tile_lo, tile_hi) (after the set-up units, counted from the row's
+// first_tile; tile_hi <= 0: set-up units only, no piece).
 struct Piece {
   int r, h, setup, tile_lo, tile_hi;
   int64_t seg_begin, seg_end, end;
 };
-__device__ __forceinline__ Piece piece_at(const int* s_inc, const int* s_len, int H, int64_t u, int64_t hi, int from) {
+__device__ __forceinline__ Piece piece_at(const GraphDecodeParams& p, const int* s_inc, const int* s_len, int H,
+                                          int64_t u, int64_t hi, int from) {
   Piece pc;
   int r = from;
   while (static_cast<int64_t>(H) * s_inc[r] <= u) ++r;
   const int exc = r ? s_inc[r - 1] : 0, units = s_inc[r] - exc;
-  pc.r = r, pc.setup = units - tiles_of(s_len[r]);
+  pc.r = r, pc.setup = units - row_tiles(s_len[r], p);
   const int64_t row_base = static_cast<int64_t>(H) * exc;
   pc.h = static_cast<int>(static_cast<uint32_t>(u - row_base) / static_cast<uint32_t>(units));
   pc.seg_begin = row_base + static_cast<int64_t>(pc.h) * units, pc.seg_end = pc.seg_begin + units;

@@ -20,7 +20,7 @@ cudaError_t launch_typed(const GraphDecodeParams& p, cudaStream_t stream) {
 
 template <typename T, int D, bool kFp8>
 cudaError_t launch_group(const GraphDecodeParams& p, cudaStream_t stream) {
-  if (p.group <= 8) return launch_typed<T, D, 1, kFp8>(p, stream);
+  if (p.group * p.q_block <= 8) return launch_typed<T, D, 1, kFp8>(p, stream);  // a pass's query rows
   if constexpr (D <= 128) return launch_typed<T, D, 2, kFp8>(p, stream);
   return cudaErrorInvalidValue;
 }
@@ -55,7 +55,9 @@ cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv
   if (p.group < 1 || p.group > kMaxGroup || p.num_rows < 1 || p.num_rows > kGraphMaxRows || p.num_ctas < 1 ||
       p.num_ctas >= kLate - kMergeSlices || p.min_tiles < 1 || p.piece_cost < 0 || p.piece_cost > kMaxPieceCost ||
       p.counter_stride < 1 || p.counter_stride > kMaxCounterStride || p.spin_ns < 0 || p.spin_ns > kMaxSpinNs ||
-      (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)))
+      (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)) || p.window_left < -1 ||
+      p.q_len < 1 || p.q_len > kMaxQLen || p.q_block != graph_query_block(p.group, head_dim, p.q_len) ||
+      p.q_blocks != (p.q_len + p.q_block - 1) / p.q_block || p.counter_stride * p.q_blocks > kMaxCounterStride)
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, stream)
                                   : launch_dim<__nv_bfloat16>(p, kv_fp8, head_dim, stream);

@@ -25,6 +25,7 @@ constexpr int kGraphMaxRows = 1024;  // rows one step may hold (lengths are scan
 constexpr int kMaxPieceCost = 64;    // GraphDecodeParams::piece_cost's bound
 constexpr int kMaxCounterStride = 32;  // GraphDecodeParams::counter_stride's bound
 constexpr int kMaxSpinNs = 10000;      // GraphDecodeParams::spin_ns's bound
+constexpr int kMaxQLen = 8;            // GraphDecodeParams::q_len's bound
 
 struct GraphDecodeParams {
   const void* q;            // [num_rows, Hq, D]
@@ -55,7 +56,25 @@ struct GraphDecodeParams {
   int spin_ns;              // the mergers' spin back-off a poll, ns (0..kMaxSpinNs; 0: none)
   float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
+  // Queries (pkv.plan.device_schedule.Queries). q and out are [num_rows * q_len, Hq, D] (lse
+  // [num_rows * q_len, Hq]): row r's token i at position seq_lens[r] - q_len + i reads the keys at
+  // or before it and, with window_left >= 0, at or after it - window_left. A row's work is the
+  // tiles covering [max(0, len - q_len - window_left), len). One pass holds q_block tokens (G x
+  // q_block <= the MMA's rows): a row's tokens are q_blocks blocks, and segment (r, h) of the cut
+  // is KV head h / q_blocks, block h % q_blocks (num_kv_heads x q_blocks segments a row).
+  int window_left;          // -1: off
+  int q_len;                // 1..kMaxQLen
+  int q_block;              // query tokens of one pass (graph_query_block)
+  int q_blocks;             // ceil(q_len / q_block)
+  const float* sinks;       // null or [Hq] natural-log logits: exp(sink) joins a head's denominator once
 };
+
+// Query tokens one pass holds: as many of a row's q_len tokens as fit G x tokens in the MMA's
+// rows (16, 8 at head_dim 256): pkv.plan.device_schedule.Queries.of.
+inline int graph_query_block(int group, int head_dim, int q_len) {
+  const int fit = (head_dim == 256 ? 8 : 16) / group;
+  return fit < 1 ? 1 : (fit < q_len ? fit : q_len);
+}
 
 // Head dims built with an FP8 e4m3 cache (kFp8HeadDims in pkv/engines/graph.py).
 constexpr int kFp8MaxHeadDim = 128;

@@ -22,7 +22,9 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   __shared__ int s_last;
   unsigned long long* const rec = trace_begin();
   const int tid = threadIdx.x;
-  const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
+  // H: the cut's segments per row (KV heads x query blocks); a slot holds S_rows query rows.
+  const int R = p.num_rows, H = segments_per_row(p), G = p.group, Hq = p.num_kv_heads * G;
+  const int S_rows = G * p.q_block;
 
   // 1. The step's work: tiles per row (and set-up units), scanned.
   int nonzero, vtotal, n;
@@ -46,19 +48,19 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   // (in-order work that would otherwise come before its page-id loads), so those loads find it
   // there. Row r has tiles (row_of skips empty rows); one line holds 32 ids.
   if (tid == 0) {
-    const Piece first = piece_at(s_inc, s_len, H, lo, hi, r);
-    const int t0 = (first.tile_lo > 0 ? first.tile_lo : 0) * kTile;
+    const Piece first = piece_at(p, s_inc, s_len, H, lo, hi, r);
+    const int t0 = (first_tile(s_len[first.r], p) + (first.tile_lo > 0 ? first.tile_lo : 0)) * kTile;
     prefetch_l2(p.block_table + static_cast<int64_t>(s_req[r]) * p.bt_stride + (t0 >> p.page_shift));
   }
   const int num_slots = 2 * p.num_ctas;
   float* part_m = p.partial;
-  float* part_l = p.partial + static_cast<int64_t>(num_slots) * G;
-  float* part_acc = p.partial + acc_offset(num_slots, G);
+  float* part_l = p.partial + static_cast<int64_t>(num_slots) * S_rows;
+  float* part_acc = p.partial + acc_offset(num_slots, S_rows);
   PKV_STAMP(rec, 3);
   int pieces = 0, merged = 0, first_tokens = 0;
 
   for (int64_t u = lo; u < hi;) {
-    const Piece pc = piece_at(s_inc, s_len, H, u, hi, r);
+    const Piece pc = piece_at(p, s_inc, s_len, H, u, hi, r);
     r = pc.r;
     const int h = pc.h, setup = pc.setup, tile_lo = pc.tile_lo, tile_hi = pc.tile_hi;
     const int64_t seg_begin = pc.seg_begin, seg_end = pc.seg_end, piece_end = pc.end;
@@ -70,25 +72,32 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     // A segment's first CTA stores its piece in slot 2j0 when its range starts in the
     // segment, else 2j0 + 1 (its last piece); every later CTA's piece starts its range: slot 2j.
     const int slot = u == lo ? 2 * j : 2 * j + 1;
-    const int64_t qo = (static_cast<int64_t>(r) * Hq + h * G) * D;
+    const int len = s_len[r], ft = first_tile(len, p);
+    const QueryRows qr = query_rows(p, r, h);  // segment h: KV head h / q_blocks, query block h % q_blocks
+    const int kvh = h / p.q_blocks;
+    const int64_t qo = qr.at(0) * D;
 
     Range a;
     a.kv = p.kv;
     a.bt = p.block_table + static_cast<int64_t>(s_req[r]) * p.bt_stride;
     a.q = reinterpret_cast<const T*>(p.q) + qo;
-    a.head_off = static_cast<int64_t>(h) * p.head_stride;
+    a.head_off = static_cast<int64_t>(kvh) * p.head_stride;
     a.v_off = (static_cast<const char*>(p.v) - static_cast<const char*>(p.kv)) / (kFp8 ? 1 : 2);
     a.page_elems = p.page_stride;
     a.tok_stride = p.token_stride;
     a.cap_log2 = p.soft_cap_log2;
     a.page_shift = p.page_shift;
-    a.t_begin = (tile_lo > 0 ? tile_lo : 0) * kTile;
-    a.t_end = min(tile_hi * kTile, s_len[r]);
+    a.t_begin = (ft + (tile_lo > 0 ? tile_lo : 0)) * kTile;
+    a.t_end = min((ft + tile_hi) * kTile, len);
     a.valid_end = a.t_end;
     a.group = G;
+    a.rows = qr.rows;
+    a.q_tok_stride = static_cast<int64_t>(Hq) * D;
+    a.pos0 = len - p.q_len + qr.first;
+    a.window = p.window_left;
     a.scale_log2 = p.scale_log2 * p.k_scale;
     a.page_scales = p.page_scales;
-    a.scale_head = h;
+    a.scale_head = kvh;
     a.num_kv_heads = H;
     a.out_scale = p.v_scale;
     a.trace = pieces == 0 ? rec : nullptr;
@@ -102,16 +111,18 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     };
     if (j0 == j1) {
       attend([&](int e, int hh, float a0, float a1, float mx, float den) {
-        Mma<T>::store2(out + e, a0 / den, a1 / den);
-        if (p.lse != nullptr && e % D == 0) p.lse[qo / D + hh] = lse_of(mx, den);
+        const int64_t at = qr.at(hh);
+        const float f = finish_state(mx, den, sink_log2(p.sinks, at % Hq));
+        Mma<T>::store2(out + (at - qr.at(0)) * D + e % D, a0 * f, a1 * f);
+        if (p.lse != nullptr && e % D == 0) p.lse[at] = lse_of(mx, den);
       });
       if (pieces == 1) PKV_STAMP(rec, 7);
     } else {
       attend([&](int e, int hh, float a0, float a1, float mx, float den) {
-        *reinterpret_cast<float2*>(part_acc + static_cast<int64_t>(slot) * G * D + e) = make_float2(a0, a1);
+        *reinterpret_cast<float2*>(part_acc + static_cast<int64_t>(slot) * S_rows * D + e) = make_float2(a0, a1);
         if (e % D == 0) {
-          part_m[slot * G + hh] = mx;
-          part_l[slot * G + hh] = den;
+          part_m[slot * S_rows + hh] = mx;
+          part_l[slot * S_rows + hh] = den;
         }
       });
       if (pieces == 1) PKV_STAMP(rec, 7);
@@ -129,7 +140,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
       const bool spread = !merged_in_cta(S);
       const int e = spread && floor_div((j1 + 1) * W, n) > seg_end ? S - 1 : S;  // j1's range goes on
       const bool late = e < S && j == j1;
-      const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = G * D / 4;
+      const int K = spread ? (e < kMergeSlices ? e : kMergeSlices) : 1, cols = qr.rows * D / 4;
       const int all_in = e + (S - e) * kLate;  // the counter once every CTA has counted in
       __syncthreads();
       int* counter = p.counters + static_cast<int64_t>(r * H + h) * p.counter_stride;
@@ -144,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
       const int k = s_last;
       if (k >= 0) {
         merge_slice<T, D, kMergeInFlight>(p, S, segment_slots(j0, seg_begin, W, n), k * cols / K,
-                                          (k + 1) * cols / K, static_cast<int>(qo / D));
+                                          (k + 1) * cols / K, qr);
         // Rearmed for the next launch (and graph replay) once no merger still spins: each
         // counts in again, the one that brings the counter to all_in + K resets it.
         if (tid == 0 && (!spread || atomicAdd(counter, 1) == all_in + K - 1)) *counter = 0;

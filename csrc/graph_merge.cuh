@@ -43,21 +43,23 @@ __device__ __forceinline__ void spin_pause(int spin_ns) {
 constexpr int kLate = 1 << 16;
 
 // The exact merge of one cut segment's `states` partial states (slots slot_of(0..states-1))
-// into float4 columns [c_lo, c_hi) of its G * D outputs (and, where a slice holds a head's
-// first column, that head's LSE); out_at = the segment's first query head (r * Hq + h * G).
+// into float4 columns [c_lo, c_hi) of its qr.rows * D outputs (and, where a slice holds a row's
+// first column, that row's LSE); qr: the segment's query rows (graph_cut.cuh). A head's sink
+// joins its denominator here, once (finish_state).
 // A short segment's last CTA takes every column, each of a long segment's mergers one slice.
 // The CTA's kMergeThreads threads split the columns and the states, load m, l and acc of kIF
 // states together (one L2 round trip per round), fold them online and reduce a column's
 // thread group by shuffles.
 template <typename T, int D, int kIF>
 __device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int states, SegmentSlots slot_of, int c_lo,
-                                            int c_hi, int out_at) {
-  const int tid = threadIdx.x, G = p.group, cs = c_hi - c_lo, cols = G * D / 4;
+                                            int c_hi, const QueryRows& qr) {
+  // G: a slot's row stride (G x q_block); cols: this segment's columns (its rows may be fewer)
+  const int tid = threadIdx.x, G = p.group * p.q_block, cs = c_hi - c_lo, cols = G * D / 4;
   const int num_slots = 2 * p.num_ctas;
   const float* m = p.partial;
   const float* l = p.partial + static_cast<int64_t>(num_slots) * G;
   const float4* acc = reinterpret_cast<const float4*>(p.partial + acc_offset(num_slots, G));
-  T* out = reinterpret_cast<T*>(p.out) + static_cast<int64_t>(out_at) * D;
+  T* out = reinterpret_cast<T*>(p.out);
   auto fold = [](float& mx, float& den, float4& sum, float m2, float d2, float4 a2) {
     const float mn = fmaxf(mx, m2), w1 = rescale(mx, mn), w2 = rescale(m2, mn);
     den = w1 * den + w2 * d2;
@@ -66,10 +68,12 @@ __device__ __forceinline__ void merge_slice(const GraphDecodeParams& p, int stat
     mx = mn;
   };
   auto store = [&](int c, float mx, float den, float4 sum) {
-    const float inv = 1.f / den;
-    Mma<T>::store2(out + 4 * c, sum.x * inv, sum.y * inv);
-    Mma<T>::store2(out + 4 * c + 2, sum.z * inv, sum.w * inv);
-    if (p.lse != nullptr && c % (D / 4) == 0) p.lse[out_at + c / (D / 4)] = lse_of(mx, den);  // a head's first column
+    const int64_t at = qr.at(c / (D / 4));
+    const float inv = finish_state(mx, den, sink_log2(p.sinks, at % qr.hq));
+    T* o = out + at * D + 4 * (c % (D / 4));
+    Mma<T>::store2(o, sum.x * inv, sum.y * inv);
+    Mma<T>::store2(o + 2, sum.z * inv, sum.w * inv);
+    if (p.lse != nullptr && c % (D / 4) == 0) p.lse[at] = lse_of(mx, den);  // a row's first column
   };
   // Threads per column: a power of two <= 32 (aligned groups inside a warp, reduced by
   // shuffles), as many as the states while the slice's columns still fit the CTA.

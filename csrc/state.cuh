@@ -19,6 +19,20 @@ namespace pkv {
 __device__ __forceinline__ float rescale(float m_s, float m) { return m_s == -INFINITY ? 0.f : exp2f(m_s - m); }
 // Natural-log log-sum-exp of the logits of a state (m, l) kept in the log2 domain.
 __device__ __forceinline__ float lse_of(float m, float l) { return (m + log2f(l)) * 0.693147180559945309f; }
+// A head's sink (natural-log logit) in the log2 domain; -inf when there is none.
+__device__ __forceinline__ float sink_log2(const float* sinks, int64_t head) {
+  return sinks != nullptr ? sinks[head] * 1.44269504088896341f : -INFINITY;
+}
+// The final normalization of a head's whole state (m, l): the sink's term 2^(s2 - m) joins the
+// denominator, once (never a partial state's). Returns the factor of acc (w / l' for the output
+// acc * it) and leaves in m, l the state whose LSE (lse_of) includes the sink.
+__device__ __forceinline__ float finish_state(float& m, float& l, float s2) {
+  if (s2 == -INFINITY) return 1.f / l;
+  const float mx = fmaxf(m, s2), w = rescale(m, mx);
+  l = w * l + exp2f(s2 - mx);
+  m = mx;
+  return w / l;
+}
 
 
 // Exact merge of the n partial states slot_of(0..n-1) of one segment into its G output

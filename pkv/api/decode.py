@@ -14,6 +14,7 @@ import torch
 
 from pkv.api.layouts import KvView, kv_view
 from pkv.api.op import paged_decode
+from pkv.engines.graph import check_queries
 
 
 def _check_reading(view: KvView, layout: str, num_kv_heads: int | None, page_size: int | None) -> None:
@@ -39,12 +40,11 @@ def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: t
         out = torch.zeros_like(q)
     lse = torch.full(q.shape[:2], -math.inf, dtype=torch.float32, device=q.device) if return_lse else None
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
-    if sinks is not None and not isinstance(sinks, torch.Tensor):
-        raise ValueError(f"pkv decode: sinks must be a float32 tensor [num_qo_heads] on q's device, got "
-                         f"{type(sinks).__name__}")
+    window_left = -1 if window_left is None else window_left
+    check_queries(q_len, window_left, sinks, q.shape[1] if q.dim() == 3 else 0, "pkv decode")   # before the op casts
     paged_decode(q, view.k, view.v, block_table, seq_lens, workspace, out, lse, scale,
                  float(logits_soft_cap or 0.0), 1.0 if k_scale is None else float(k_scale),
-                 1.0 if v_scale is None else float(v_scale), -1 if window_left is None else window_left, q_len, sinks)
+                 1.0 if v_scale is None else float(v_scale), window_left, q_len, sinks)
     return (out, lse) if return_lse else out
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from pkv.engines.table import cpu_engines, fp8_readers, info, is_router
+from pkv.engines.table import ENGINES, cpu_engines, fp8_readers, info, is_router
 
 
 def build(name: str, cache, policy=None, **options):
@@ -18,6 +18,10 @@ def build(name: str, cache, policy=None, **options):
     e = info(name)
     if cache.shape.fp8 and not e.fp8:
         raise ValueError(f"engine {name!r} does not read an FP8 KV cache; those that do: {list(fp8_readers())}")
+    features = sorted(set(options) & {"window_left", "q_len", "sinks"} - set(e.options))
+    if features:
+        raise ValueError(f"engine {name!r} takes no option(s) {features}: sliding windows, sinks and q_len query "
+                         f"tokens per row are built in {sorted(n for n, i in ENGINES.items() if 'q_len' in i.options)}")
     if not cache.kv.is_cuda and not e.cpu:
         raise ValueError(f"engine {name!r} needs a CUDA device; on the CPU use one of "
                          f"{sorted(n for n in cpu_engines() if not is_router(n))}")
