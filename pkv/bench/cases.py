@@ -24,6 +24,9 @@ class Case:
     fp8_policy: str = ""        # FP8 scale policy (pkv.core.fp8.POLICIES); "" for a 16-bit cache
     point: str = ""             # the lengths' name, shared by a point's 16-bit and FP8 cases
     holes: float = 0.5          # fraction of free pages interleaved with the used ones (paper §3.7)
+    window_left: int = -1       # a sliding layer's left window (FlashInfer's window_left); -1 off
+    q_len: int = 1              # query tokens per row (speculative decoding: the drafts)
+    sinks: bool = False         # attention sinks (one float32 logit per query head, fixed by the seed)
 
     @property
     def batch(self) -> int:
@@ -41,8 +44,26 @@ class Case:
 
     @property
     def bytes(self) -> int:
-        """Useful KV bytes: every token of every row, K and V, all KV heads, read once."""
-        return sum(self.lens) * self.shape.kv_bytes_per_token
+        """Useful KV bytes: every token of every row (of a windowed row, its window's), K and V, all KV
+        heads, read once."""
+        if self.window_left < 0:
+            return sum(self.lens) * self.shape.kv_bytes_per_token
+        return sum(min(n, self.q_len + self.window_left) for n in self.lens) * self.shape.kv_bytes_per_token
+
+    @property
+    def feature_options(self) -> dict:
+        """The engine options of the case's attention (windows, q_len, sinks); {} for plain decode."""
+        import torch
+
+        out = {}
+        if self.window_left >= 0:
+            out["window_left"] = self.window_left
+        if self.q_len > 1:
+            out["q_len"] = self.q_len
+        if self.sinks:
+            gen = torch.Generator().manual_seed(len(self.lens))
+            out["sinks"] = (torch.randn(self.num_qo_heads, generator=gen) * 2).to("cuda")
+        return out
 
 
 def copies_for(case: Case) -> int:
@@ -131,5 +152,5 @@ def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | N
     caches = [PagedCache.random(shape, a, device=device, seed=seed + c, fp8_policy=case.fp8_policy or "tensor",
                                 out=pool, out8=pool8)
               for c, (a, pool, pool8) in enumerate(zip(assignments, pools, pools8))]
-    queries = [c.query(len(lens), seed + 100 + i) for i, c in enumerate(caches)]
+    queries = [c.query(len(lens) * case.q_len, seed + 100 + i) for i, c in enumerate(caches)]
     return caches, queries

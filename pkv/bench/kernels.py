@@ -77,7 +77,31 @@ def fp8(seed: int = BENCH_SEED) -> list[Case]:
             for c in points for kv, policy in FP8_KV]
 
 
-SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes, "fp8": fp8}
+def features(seed: int = BENCH_SEED) -> list[Case]:
+    """Today's models' attention against the fastest FlashInfer path that has each feature: a
+    gpt-oss-like shape (Hq 64, Hkv 8, d 64, sinks; window 128 on half the layers: a sliding row
+    and a full row per point), a Gemma-3-like shape (d 256, G 2, window 1024) and speculative
+    decoding (the llama-8b-like shape, q_len 2, 4 and 8) over B 1-32 and 1K-32K, each with a
+    ragged mix."""
+    rng = np.random.default_rng(seed)
+    mix = tuple(int(x) for x in rng.choice([K, 16 * K], size=32))
+    points = [("B1 32K", (32 * K,)), ("B8 8K", (8 * K,) * 8), ("B32 2K", (2 * K,) * 32), ("B32 bimodal 1K/16K", mix)]
+    out = []
+    for name, lens in points:
+        for window, layer in ((127, "sliding"), (-1, "full")):
+            out.append(Case("features", f"gpt-oss {layer} {name}", lens, num_qo_heads=64, num_kv_heads=8, head_dim=64,
+                            window_left=window, sinks=True, point=f"gpt-oss {name}"))
+        out.append(Case("features", f"gemma-3 sliding {name}", lens, num_qo_heads=16, num_kv_heads=8, head_dim=256,
+                        window_left=1023, point=f"gemma-3 {name}"))
+    spec = [("B1 1K", (K,)), ("B1 32K", (32 * K,)), ("B8 8K", (8 * K,) * 8), ("B32 1K", (K,) * 32),
+            ("B32 32K", (32 * K,) * 32), ("B32 bimodal 1K/16K", mix)]
+    for q_len in (2, 4, 8):
+        for name, lens in spec:
+            out.append(Case("features", f"spec q{q_len} {name}", lens, q_len=q_len, point=f"spec q{q_len} {name}"))
+    return out
+
+
+SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes, "fp8": fp8, "features": features}
 
 
 def suite_shapes() -> tuple[tuple[int, str, str, int, int], ...]:
@@ -116,6 +140,7 @@ def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: i
     rows = []
     for label in engines:
         name, options = parse_spec(label)
+        options = {**options, **case.feature_options}   # an engine without the feature refuses it in one line
         try:
             us, error = graph_replay_us(name, options, caches, queries, step, reps), ""
         except (ValueError, RuntimeError) as err:  # a variant that does not build or run this shape
@@ -126,6 +151,7 @@ def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: i
                          max_len=max(case.lens), group=case.group, head_dim=case.head_dim,
                          num_kv_heads=case.num_kv_heads, page_size=case.page_size, dtype=case.dtype,
                          kv_dtype=case.kv_dtype, fp8_policy=case.fp8_policy, point=case.point or case.name,
+                         window_left=case.window_left, q_len=case.q_len, sinks=case.sinks,
                          engine=label, graph_us=us, bytes=case.bytes, achieved_gbps=gbps,
                          frac_of_roofline=gbps / roofline, copies=len(caches), error=error,
                          lens=json.dumps(list(case.lens)) if case.batch <= 256 else ""))

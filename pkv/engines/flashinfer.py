@@ -22,20 +22,28 @@ def workspace(device) -> torch.Tensor:
     return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
 
 
-def plan(wrapper, shape, indptr, indices, last_page_len, *, seq_lens=None, qo_indptr=None) -> None:
+def plan(wrapper, shape, indptr, indices, last_page_len, *, seq_lens=None, qo_indptr=None, window_left: int = -1,
+         q_len: int = 1) -> None:
     """FlashInfer's plan() for one decode step, the one call of it in the project (the
     engine's prepare(), the host benchmark's raw plan() and the model step's graph path).
 
     A decode wrapper takes (indptr, page ids, last_page_len); the persistent BatchAttention
-    (`qo_indptr` given) takes the query ranges and the rows' lengths instead of last_page_len."""
+    (`qo_indptr` given) takes the query ranges and the rows' lengths instead of last_page_len.
+    window_left and q_len (FlashInfer's q_len_per_req: causal drafts) go to the decode's plan;
+    the defaults plan what the decode planned before they existed (no keyword passed)."""
     s = shape
     dt, kvt = s.torch_dtype, s.kv_torch_dtype
     if qo_indptr is not None:
         wrapper.plan(qo_indptr, indptr, indices, seq_lens, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.head_dim,
                      s.page_size, causal=False, q_data_type=dt, kv_data_type=kvt)
     else:
+        features = {}
+        if window_left >= 0:
+            features["window_left"] = window_left
+        if q_len > 1:
+            features["q_len_per_req"] = q_len
         wrapper.plan(indptr, indices, last_page_len, s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size,
-                     q_data_type=dt, kv_data_type=kvt)
+                     q_data_type=dt, kv_data_type=kvt, **features)
 
 
 class FlashInferEngine(Engine):
@@ -54,8 +62,15 @@ class FlashInferEngine(Engine):
 
     VIEW_MEMO = 4   # steps whose views stay cached (the correctness pass, then the timed pass)
 
-    def __init__(self, cache: PagedCache, name: str, validate: bool = True):
+    def __init__(self, cache: PagedCache, name: str, validate: bool = True, window_left: int = -1, q_len: int = 1,
+                 sinks=None):
         super().__init__(cache, validate)
+        from pkv.engines.graph import check_queries
+
+        check_queries(q_len, window_left, sinks, cache.shape.num_qo_heads, name)
+        if info(name).kind == "persistent" and (window_left >= 0 or q_len > 1 or sinks is not None):
+            raise ValueError(f"{name}: this adapter passes no window, sinks or q_len to BatchAttention")
+        self.window_left, self.q_len, self.sinks = window_left, q_len, sinks
         check_kv(cache.kv, cache.shape)
         if cache.scales is not None and cache.scales.policy != "tensor":
             raise ValueError(f"{name}: FlashInfer reads an FP8 cache with tensor scales only, "
@@ -94,14 +109,18 @@ class FlashInferEngine(Engine):
         indptr, indices, last, lens = self.view(step)
         # The persistent kernel's plan reads host indptr/lengths and device page ids.
         qo = self._qo_indptr[:step.active + 1] if self.persistent else None
-        plan(self.wrapper, self.cache.shape, indptr, indices, last, seq_lens=lens, qo_indptr=qo)
+        plan(self.wrapper, self.cache.shape, indptr, indices, last, seq_lens=lens, qo_indptr=qo,
+             window_left=self.window_left, q_len=self.q_len)
         return Plan(step, self.name, 1, None)
 
     def run(self, q: torch.Tensor, plan: Plan, layer: PagedCache | None = None) -> torch.Tensor:
-        self.check_query(q, plan)
+        if self.q_len == 1:
+            self.check_query(q, plan)
         c = self.layer(layer)
         # FP8: one K and one V scale per tensor, FlashInfer's convention.
         scales = {} if c.scales is None else {"k_scale": c.scales.k_scale, "v_scale": c.scales.v_scale}
+        if self.sinks is not None:
+            scales["sinks"] = self.sinks
         out = self.wrapper.run(q, c.kv, **scales)
         return out[0] if isinstance(out, tuple) else out
 

@@ -21,7 +21,7 @@ def build(name: str, cache, policy=None, **options):
     features = sorted(set(options) & {"window_left", "q_len", "sinks"} - set(e.options))
     if features:
         raise ValueError(f"engine {name!r} takes no option(s) {features}: sliding windows, sinks and q_len query "
-                         f"tokens per row are built in {sorted(n for n, i in ENGINES.items() if 'q_len' in i.options)}")
+                         f"tokens per row are taken by {sorted(n for n, i in ENGINES.items() if 'q_len' in i.options)}")
     if not cache.kv.is_cuda and not e.cpu:
         raise ValueError(f"engine {name!r} needs a CUDA device; on the CPU use one of "
                          f"{sorted(n for n in cpu_engines() if not is_router(n))}")

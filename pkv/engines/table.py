@@ -39,6 +39,7 @@ class EngineInfo:
 
 
 PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
+FEATURE_OPTIONS = ("validate", "window_left", "q_len", "sinks")   # FlashInfer's planned decode: plan/run pass them
 GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost", "counter_stride", "spin_ns",
                  "window_left", "q_len", "sinks")
 
@@ -62,15 +63,16 @@ ENGINES: dict[str, EngineInfo] = {
                             "CUDA-graph capturable", "pkv.engines.graph", cpu=True, fp8=True, route=True,
                             options=GRAPH_OPTIONS, plan_free=True, paper_route="PersistentKV graph"),
     "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores", "pkv.engines.flashinfer",
-                             fp8=True, baseline=True, options=("validate",), paper_route="FlashInfer"),
+                             fp8=True, baseline=True, options=FEATURE_OPTIONS, paper_route="FlashInfer"),
     "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores",
-                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=("validate",),
+                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=FEATURE_OPTIONS,
                                 tensor_cores=True, paper_route="FlashInfer"),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)",
                                         "pkv.engines.flashinfer", options=("validate",), paper_route="FlashInfer"),
     "flashinfer-xqa": EngineInfo("flashinfer", "xqa", "FlashInfer's plan-free decode (TensorRT-LLM's XQA kernel), "
                                  "CUDA-graph capturable", "pkv.engines.xqa", fp8=True, baseline=True, plan_free=True,
-                                 options=("max_rows", "hopper_fp8", "validate"), paper_route="FlashInfer"),
+                                 options=("max_rows", "hopper_fp8", "validate", "window_left", "q_len", "sinks"),
+                                 paper_route="FlashInfer"),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
     "adaptive": EngineInfo("adaptive", "router", "the cost-model router over FlashInfer and the pkv routes",

@@ -92,14 +92,23 @@ def fp8_scales(scales) -> tuple[float, float]:
     return scales.k_scale / scales.v_scale, scales.v_scale
 
 
-def xqa_module(shape):
-    """FlashInfer's compiled XQA module for `shape` (JIT-built on first use, then cached)."""
+def xqa_module(shape, sliding: bool = False, q_len: int = 1):
+    """FlashInfer's compiled XQA module for `shape` (JIT-built on first use, then cached), with a
+    sliding window and q_len query tokens per row (speculative decoding) where asked."""
     try:
         from flashinfer.xqa import get_xqa_module
     except ImportError as e:
         raise ValueError(f"engine 'flashinfer-xqa' needs flashinfer with XQA ({e})") from e
     dt = shape.torch_dtype
-    return get_xqa_module(dt, shape.kv_torch_dtype, shape.page_size, shape.head_dim, shape.group, False, dt, 1)
+    return get_xqa_module(dt, shape.kv_torch_dtype, shape.page_size, shape.head_dim, shape.group, sliding, dt, q_len)
+
+
+def causal_mask(rows: int, q_len: int, device) -> torch.Tensor:
+    """XQA's draft mask for causal drafts: [rows, q_len, 2] uint16, bit j of row i's first word set
+    for j <= i (csrc/xqa/mha.cu reads bit k of word k / 16 of a 32-bit-aligned row)."""
+    words = np.zeros((rows, q_len, 2), dtype=np.uint16)
+    words[:, :, 0] = (1 << (np.arange(q_len) + 1)) - 1
+    return torch.from_numpy(words).to(device)
 
 
 class XqaPlan(Plan):
@@ -112,15 +121,22 @@ class XqaPlan(Plan):
 
 class XqaEngine(Engine):
     def __init__(self, cache: PagedCache, max_rows: int | None = None, hopper_fp8: bool = False,
-                 validate: bool = True):
+                 validate: bool = True, window_left: int = -1, q_len: int = 1, sinks=None):
         super().__init__(cache, validate)
         s = cache.shape
         check_xqa_shape(s, cache.scales)
+        from pkv.engines.graph import check_queries
+
+        check_queries(q_len, window_left, sinks, s.num_qo_heads, "the XQA adapter")
+        # FlashInfer's mapping (trtllm_batch_decode_with_kv_cache): XQA's window counts the query's own token
+        self.sliding_win = window_left + 1 if window_left >= 0 else 0
+        self.q_len = q_len
+        self.sinks = None if sinks is None else sinks.to(cache.device).reshape(s.num_kv_heads, s.group).contiguous()
         check_device(cache.device)
         if hopper_fp8 and not (s.fp8 and torch.cuda.get_device_capability(cache.device)[0] == 9):
             raise ValueError("flashinfer-xqa: hopper_fp8 runs XQA's Hopper FP8 kernel, for an FP8 cache on an "
                              "SM 9.x device")
-        self._op = xqa_module(s).xqa
+        self._op = xqa_module(s, self.sliding_win > 0, q_len).xqa
         dev = cache.device
         self.max_rows = int(max_rows or cache.assignment.num_requests)
         if self.max_rows < 1:
@@ -130,13 +146,16 @@ class XqaEngine(Engine):
         self.meta = torch.zeros(2 * self.max_rows, dtype=torch.int32, device=dev)
         self.table = torch.zeros(self.max_rows, width, dtype=torch.int32, device=dev)
         self._staging = PinnedStaging(dev, capacity=2 * self.max_rows)
-        self._ones = np.ones(self.max_rows, dtype=np.int32)
+        self._ones = np.full(self.max_rows, q_len, dtype=np.int32)   # padding rows: q_len tokens of page 0
+        self.mask = causal_mask(self.max_rows, q_len, dev) if q_len > 1 else None
         self._zeros = np.zeros(self.max_rows, dtype=np.int32)
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self._semaphores, self._scratch = workspace[:SEMAPHORE_BYTES], workspace[SEMAPHORE_BYTES:]
         self._sms = num_sms(dev)
         self._pdl = True                # SM >= 9 (check_device): FlashInfer's device_support_pdl
-        self._fp8_sm90 = bool(hopper_fp8)   # XQA's Hopper FP8 kernel, else its generic one (module docstring)
+        # XQA's Hopper FP8 kernel, else its generic one (module docstring); FlashInfer runs the generic one
+        # with sinks and speculative rows
+        self._fp8_sm90 = bool(hopper_fp8) and not (q_len > 1 and sinks is not None)
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._kvs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
@@ -167,9 +186,10 @@ class XqaEngine(Engine):
         return hit[1], hit[2]
 
     def run(self, q: torch.Tensor, plan: XqaPlan, layer: PagedCache | None = None) -> torch.Tensor:
-        if q.shape[0] != plan.rows:
-            raise ValueError(f"flashinfer-xqa: q has {q.shape[0]} rows, the plan {plan.rows}")
-        if self.validate and plan.rows == plan.step.active:
+        ql = self.q_len
+        if q.shape[0] != plan.rows * ql:
+            raise ValueError(f"flashinfer-xqa: q has {q.shape[0]} rows, the plan {plan.rows} x q_len {ql}")
+        if self.validate and plan.rows == plan.step.active and ql == 1:
             self.check_query(q, plan)
         c = self.layer(layer)
         s = self.cache.shape
@@ -177,9 +197,12 @@ class XqaEngine(Engine):
         q_scale, kv_scale = fp8_scales(c.scales)       # FP8: the layer's scales, read per call
         k, v = self._kv(c.kv)
         out = torch.empty_like(q)
-        self._op(self._fp8_sm90, self._sms, s.num_kv_heads, 0, q_scale, out.unsqueeze(1), 1.0, q.unsqueeze(1), None,
-                 k, v, None, None, table, self.max_seq_len, lens, plan.rows, kv_scale, self._semaphores,
-                 self._scratch, self._pdl, 1, None, None)
+        # [rows, beam 1, (q_len,) Hq, D], as trtllm_batch_decode_with_kv_cache shapes them
+        shaped = (plan.rows, 1, *((ql,) if ql > 1 else ()), s.num_qo_heads, s.head_dim)
+        mask = self.mask[:plan.rows] if ql > 1 else None
+        self._op(self._fp8_sm90, self._sms, s.num_kv_heads, self.sliding_win, q_scale, out.view(shaped), 1.0,
+                 q.view(shaped), self.sinks, k, v, None, None, table, self.max_seq_len, lens, plan.rows, kv_scale,
+                 self._semaphores, self._scratch, self._pdl, ql, None, mask)
         return out
 
 

@@ -18,7 +18,8 @@ from pkv.core.fp8 import quantize
 from pkv.core.harness import StepState
 from pkv.engines import make_engine
 from pkv.kernels.reference import attention_reference
-from test_kernels import check, make_case as engine_case, seed_of
+from test_kernels import check, seed_of
+from test_kernels import make_case as engine_case
 
 pytestmark = [
     pytest.mark.gpu,
@@ -162,3 +163,34 @@ def test_features_sanitizer_grid(head_dim, kv, q_len, window, lens):
         torch.cuda.synchronize()
         err = (out.float() - ref).abs().max().item()
         assert err < (FP8_TOL if kv != "auto" else 4e-3), f"sanitizer grid d{head_dim} {kv} q{q_len} w{window}: {err}"
+
+
+BASELINE_CASES = [c for c in CASES if c[0] in ("window-page", "sinks-cap", "qlen4-g8", "qlen3-window")]
+
+
+@pytest.mark.parametrize("engine", ["flashinfer-xqa", "flashinfer-tc"])
+@pytest.mark.parametrize("c", BASELINE_CASES, ids=[c[0] for c in BASELINE_CASES])
+def test_baseline_features(c, engine):
+    """The FlashInfer adapters the kernel sweep measures the features against compute the same
+    attention, or refuse the feature in one line (a row the sweep reports as not supporting it)."""
+    pytest.importorskip("flashinfer")
+    name, lens, hq, hkv, d, p, q_len, window, _, cap = c
+    if cap:
+        pytest.skip("the adapters take no soft cap")
+    seed = seed_of("features-baseline", name)
+    cache, step, _ = engine_case([max(n, q_len) for n in lens], group=hq // hkv, num_kv_heads=hkv, head_dim=d,
+                                 page_size=max(p, 16), seed=seed)
+    q = cache.query(len(lens) * q_len, seed + 1)
+    sinks = sinks_for(c, seed)
+    options = {k: v for k, v in (("window_left", window), ("q_len", q_len), ("sinks", sinks))
+               if v is not None and v != (-1 if k == "window_left" else 1)}
+    try:
+        e = make_engine(engine, cache, **options)
+        out = e.run(q, e.prepare(step))
+        torch.cuda.synchronize()
+    except (ValueError, RuntimeError, NotImplementedError) as err:
+        pytest.skip(f"{engine} does not run {sorted(options)}: {str(err).splitlines()[0][:200]}")
+    ids = torch.as_tensor(step.request_ids, device="cuda")
+    ref = attention_reference(q, cache.kv, cache.block_table[ids], torch.as_tensor(step.seq_lens), q_len=q_len,
+                              window_left=window, sinks=sinks)
+    check(out, ref, "float16", f"{engine} {name}")
