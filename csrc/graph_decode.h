@@ -77,8 +77,13 @@ cudaError_t read_graph_trace(unsigned long long* dst);
 
 // CTAs per SM the kernel is built for at this head_dim (its shared-memory budget).
 int graph_decode_ctas_per_sm(int head_dim);
-// dtype: the query's (and output's); kv_fp8: the cache holds e4m3 bytes.
-cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
+// dtype: the query's (and output's); kv_fp8: the cache holds e4m3 bytes. pdl: launched as a
+// programmatic dependent of the kernel queued before it (sm_90+): the lengths scan, the cut, the
+// block-table loads and the copies of tokens before each row's newest run while that kernel
+// drains; Q, the newest token's K/V and every write wait for it. So the step's lengths, request
+// ids, block table and its older tokens' K/V (and their page factors) must not be written by
+// that kernel; false: an ordinary launch.
+cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim, bool pdl,
                                 cudaStream_t stream);
 
 }  // namespace pkv

@@ -20,6 +20,12 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   __shared__ int s_warp[kWarps];
   __shared__ int s_nzw[kWarps];
   __shared__ int s_last;
+  // A programmatic dependent (the next decode of a replayed graph, say) may launch once every CTA
+  // is resident: it lands on the SMs of CTAs that exit (those with no work leave at once) and runs
+  // its scan, cut and first old-token copies there; it reads or writes nothing this grid writes
+  // before its griddep_wait. Every read before this grid's own wait (in the attend prologue) is
+  // of the step's metadata and of tokens before the newest (Range::t_fresh).
+  griddep_launch_dependents();
   unsigned long long* const rec = trace_begin();
   const int tid = threadIdx.x;
   const int R = p.num_rows, H = p.num_kv_heads, G = p.group, Hq = H * G;
@@ -85,6 +91,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.t_begin = (tile_lo > 0 ? tile_lo : 0) * kTile;
     a.t_end = min(tile_hi * kTile, s_len[r]);
     a.valid_end = a.t_end;
+    a.t_fresh = s_len[r] - 1;  // the newest token's K/V: appended by the kernel before this one
     a.group = G;
     a.scale_log2 = p.scale_log2 * p.k_scale;
     a.page_scales = p.page_scales;

@@ -27,7 +27,8 @@ def _check_reading(view: KvView, layout: str, num_kv_heads: int | None, page_siz
 
 
 def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: torch.Tensor,
-           workspace: torch.Tensor | None, *, sm_scale, logits_soft_cap, out, return_lse, k_scale, v_scale):
+           workspace: torch.Tensor | None, *, sm_scale, logits_soft_cap, out, return_lse, k_scale, v_scale,
+           pdl: bool = False):
     """The op over resolved K, V views; allocates out (and lse) when not given. Shared by decode and the wrapper."""
     for name, t in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens), ("out", out)):
         if not isinstance(t, torch.Tensor) and (t is not None or name != "out"):
@@ -40,14 +41,14 @@ def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: t
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     paged_decode(q, view.k, view.v, block_table, seq_lens, workspace, out, lse, scale,
                  float(logits_soft_cap or 0.0), 1.0 if k_scale is None else float(k_scale),
-                 1.0 if v_scale is None else float(v_scale))
+                 1.0 if v_scale is None else float(v_scale), bool(pdl))
     return (out, lse) if return_lse else out
 
 
 def decode(q: torch.Tensor, kv_cache, block_table: torch.Tensor, seq_lens: torch.Tensor, *, layout: str = "HND",
            sm_scale: float | None = None, logits_soft_cap: float | None = None, out: torch.Tensor | None = None,
            return_lse: bool = False, k_scale: float | None = None, v_scale: float | None = None,
-           num_kv_heads: int | None = None, page_size: int | None = None):
+           num_kv_heads: int | None = None, page_size: int | None = None, pdl: bool = False):
     """Decode attention of one new token per row over its paged KV.
 
     q [B, H_qo, D] float16/bfloat16; kv_cache one tensor or a (K, V) pair in `layout`
@@ -59,8 +60,11 @@ def decode(q: torch.Tensor, kv_cache, block_table: torch.Tensor, seq_lens: torch
     Returns out [B, H_qo, D] (written into `out` when given) and, with return_lse, the
     natural-log log-sum-exp of the (scaled, capped) logits, float32 [B, H_qo].
     num_kv_heads / page_size, when given, are checked against the cache's reading.
+    pdl=True launches the kernel as a programmatic dependent of the kernel queued before it (SM 9.0+,
+    else ignored): it reads block_table, seq_lens and every token's K/V but the newest of each row
+    while that kernel still runs, so that kernel must not write them (docs/api.md).
     """
     view = kv_view(kv_cache, layout)
     _check_reading(view, layout, num_kv_heads, page_size)
     return run_op(q, view, block_table, seq_lens, None, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, out=out,
-                  return_lse=return_lse, k_scale=k_scale, v_scale=v_scale)
+                  return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, pdl=pdl)

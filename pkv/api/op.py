@@ -163,7 +163,8 @@ def _cpu(q, k, v, block_table, seq_lens, out, lse, sm_scale, cap, k_scale, v_sca
         lse[rows] = lse32[rows]
 
 
-def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_scale, v_scale) -> None:
+def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_scale, v_scale, pdl) -> None:
+    from pkv.engines.common import pdl_supported
     from pkv.kernels.loader import ops
 
     if k.data_ptr() % ALIGN or v.data_ptr() % ALIGN:
@@ -173,18 +174,21 @@ def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_
         workspace = make_workspace(batch, hq, k.shape[1], d, q.device)
     partial, ids, counters = split_workspace(workspace, batch, hq, k.shape[1], d)
     ops().graph_decode_paged(q, k, v, block_table, seq_lens, ids, out, lse, partial, counters, num_ctas(q.device, d),
-                             GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, piece_cost=PIECE_COST)
+                             GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, piece_cost=PIECE_COST,
+                             pdl=pdl and pdl_supported(q.device))
 
 
 @torch.library.custom_op("pkv_api::paged_decode", mutates_args=("out", "lse", "workspace"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, workspace: torch.Tensor | None, out: torch.Tensor,
                  lse: torch.Tensor | None, sm_scale: float, logits_soft_cap: float, k_scale: float,
-                 v_scale: float) -> None:
-    """Decode attention of q [B, Hq, D] over K, V [pages, Hkv, P, D] (strided views) into out (and lse)."""
+                 v_scale: float, pdl: bool = False) -> None:
+    """Decode attention of q [B, Hq, D] over K, V [pages, Hkv, P, D] (strided views) into out (and lse);
+    pdl: launched as a programmatic dependent of the kernel before it (csrc/graph_decode.h: what it may
+    read before that kernel is done), where the GPU has it."""
     check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
     if q.device.type == "cuda":
-        _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
+        _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale, pdl)
     else:
         if workspace is not None:
             split_workspace(workspace, q.shape[0], q.shape[1], k.shape[1], q.shape[2])   # its capacity, as on CUDA
@@ -192,5 +196,6 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
 
 
 @paged_decode.register_fake
-def _(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale) -> None:
+def _(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale,
+      pdl=False) -> None:
     check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
