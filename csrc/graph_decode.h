@@ -62,15 +62,14 @@ constexpr int kFp8MaxHeadDim = 128;
 
 // Diagnosis build knob (PKV_NVCC_FLAGS="-DPKV_TRACE=1", `pkv bench kernels --trace`): every
 // CTA of the last launch stamps its phases (clock64, %globaltimer) into a device buffer of
-// kTraceRecords records of kTraceFields u64: CTA j at record j; records kTraceCtas and up are
-// not written (pkv.bench.kernels reads a buffer of two kernels' records and finds none in the
-// second half). Off by default (no stamp is compiled).
+// kTraceRecords records of kTraceFields u64: CTA j at record j (pkv.bench.kernels reads them).
+// Off by default (no stamp is compiled).
 #ifndef PKV_TRACE
 #define PKV_TRACE 0
 #endif
 constexpr int kTraceFields = 16;
-constexpr int kTraceCtas = 1024;
-constexpr int kTraceRecords = 2 * kTraceCtas;
+constexpr int kTraceCtas = 1024;  // above any grid (CTAs per SM x SMs)
+constexpr int kTraceRecords = kTraceCtas;
 // Copies the trace buffer to host memory dst (kTraceRecords * kTraceFields u64) and clears
 // it; cudaErrorNotSupported in a build without PKV_TRACE.
 cudaError_t read_graph_trace(unsigned long long* dst);
