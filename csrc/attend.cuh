@@ -78,6 +78,10 @@ struct Range {
   int page_shift;
   int t_begin, t_end;      // tokens read; zero-filled past t_end
   int valid_end;           // tokens at or past it are read and masked
+  // Tokens at or past t_fresh may be written by the kernel this launch overlaps (the newest
+  // token's K/V, appended just before the decode); the pipeline copies steps wholly before it
+  // ahead of griddep_wait, everything else (and Q) after it. 0: nothing before the wait.
+  int t_fresh = 0;
   int group;
   float scale_log2;        // log2(e) / sqrt(D), times the K tensor scale (FP8)
   // FP8 only: per-(page, K/V, kv head) factors [pages, 2, Hkv] or null; this range's
@@ -151,6 +155,19 @@ template <int D, bool kFp8> struct KvPipe {
     for (int i = 0; i < C::kSub; ++i)
       pg.id[i] = P >= kChunk && j < steps ? __ldg(a.bt + ((tok0(j) + i * kChunk) >> a.page_shift)) : 0;
     return pg;
+  }
+
+  // The pipeline's first kStages - 1 steps, then griddep_wait: steps wholly before a.t_fresh
+  // are copied before the wait (under PDL they overlap the previous kernel's tail), the rest
+  // after it, in step order (the commit groups stay in order). Q is read after this.
+  __device__ void prologue(const Pages (&pro)[C::kStages - 1]) const {
+#pragma unroll
+    for (int j = 0; j < C::kStages - 1; ++j)
+      if (tok0(j) + C::kStepTokens <= a.t_fresh) issue(j, pro[j]);
+    griddep_wait();
+#pragma unroll
+    for (int j = 0; j < C::kStages - 1; ++j)
+      if (tok0(j) + C::kStepTokens > a.t_fresh) issue(j, pro[j]);
   }
 
   __device__ void issue(int j, const Pages& pg) const {
@@ -257,9 +274,8 @@ __device__ __forceinline__ void attend_range(const Range& a, unsigned char* smem
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
   PKV_STAMP_AFTER(a.trace, 15, pro[0].id[0]);  // the block-table round trip
-#pragma unroll
-  for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
-  PKV_STAMP(a.trace, 4);  // the block-table round trip is behind us (the copies used its ids)
+  pipe.prologue(pro);
+  PKV_STAMP(a.trace, 4);  // the block-table round trip and the wait are behind us
 
   // Q as A fragments (register khalf * kRows + rh holds row gid + 8 rh, columns
   // 16k + 8 khalf + 2 t4 ..+1; zero past G), loaded after the first KV copies are in

@@ -82,8 +82,7 @@ __device__ __forceinline__ void attend_range_fp8(const Range& a, unsigned char* 
 #pragma unroll
   for (int j = 0; j < C::kStages - 1; ++j) pro[j] = pipe.pages(j);
   PKV_STAMP_AFTER(a.trace, 15, pro[0].id[0]);  // the block-table round trip
-#pragma unroll
-  for (int j = 0; j < C::kStages - 1; ++j) pipe.issue(j, pro[j]);
+  pipe.prologue(pro);
   PKV_STAMP(a.trace, 4);
 
   // Q^T B fragments: head 8hb + gid, dims 16p + 4t4 (+1) and 16p + 4t4 + 2 (+1); zero past

@@ -106,7 +106,7 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         const std::optional<at::Tensor>& lse, const at::Tensor& partial, const at::Tensor& counters,
                         int64_t num_ctas, int64_t min_tiles, const std::optional<at::Tensor>& page_scales,
                         double k_scale, double v_scale, double sm_scale, double logits_soft_cap,
-                        int64_t piece_cost, int64_t counter_stride, int64_t spin_ns, int64_t window_left,
+                        int64_t piece_cost, int64_t counter_stride, int64_t spin_ns, bool pdl, int64_t window_left,
                         int64_t q_len, const std::optional<at::Tensor>& sinks) {
   check_cuda(q, "q"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
@@ -206,7 +206,7 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
     p.page_scales = page_scales->data_ptr<float>();
   }
   const cudaError_t err =
-      pkv::launch_graph_decode(p, dtype_of(q), fp8, static_cast<int>(D), c10::cuda::getCurrentCUDAStream());
+      pkv::launch_graph_decode(p, dtype_of(q), fp8, static_cast<int>(D), pdl, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "pkv.graph_decode launch failed: ", cudaGetErrorString(err));
 }
 
@@ -215,13 +215,13 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
                   const at::Tensor& req_ids, const at::Tensor& out, const at::Tensor& partial,
                   const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
                   const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale, int64_t piece_cost,
-                  int64_t counter_stride, int64_t spin_ns, int64_t window_left, int64_t q_len,
+                  int64_t counter_stride, int64_t spin_ns, bool pdl, int64_t window_left, int64_t q_len,
                   const std::optional<at::Tensor>& sinks) {
   check_cuda(kv, "kv");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "pkv: kv[pages,2,Hkv,P,D] expected");
   graph_decode_paged(q, kv.select(1, 0), kv.select(1, 1), block_table, seq_lens, req_ids, out, std::nullopt, partial,
                      counters, num_ctas, min_tiles, page_scales, k_scale, v_scale,
-                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, piece_cost, counter_stride, spin_ns,
+                     1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, piece_cost, counter_stride, spin_ns, pdl,
                      window_left, q_len, sinks);
 }
 
@@ -262,11 +262,12 @@ TORCH_LIBRARY(pkv, m) {
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
         "float k_scale=1.0, float v_scale=1.0, int piece_cost=8, int counter_stride=1, int spin_ns=0, "
-        "int window_left=-1, int q_len=1, Tensor? sinks=None) -> ()");
+        "bool pdl=False, int window_left=-1, int q_len=1, Tensor? sinks=None) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
         "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int piece_cost=8, "
-        "int counter_stride=1, int spin_ns=0, int window_left=-1, int q_len=1, Tensor? sinks=None) -> ()");
+        "int counter_stride=1, int spin_ns=0, bool pdl=False, int window_left=-1, int q_len=1, "
+        "Tensor? sinks=None) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
   m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
 }

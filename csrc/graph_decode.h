@@ -81,23 +81,27 @@ constexpr int kFp8MaxHeadDim = 128;
 
 // Diagnosis build knob (PKV_NVCC_FLAGS="-DPKV_TRACE=1", `pkv bench kernels --trace`): every
 // CTA of the last launch stamps its phases (clock64, %globaltimer) into a device buffer of
-// kTraceRecords records of kTraceFields u64: CTA j at record j; records kTraceCtas and up are
-// not written (pkv.bench.kernels reads a buffer of two kernels' records and finds none in the
-// second half). Off by default (no stamp is compiled).
+// kTraceRecords records of kTraceFields u64: CTA j at record j (pkv.bench.kernels reads them).
+// Off by default (no stamp is compiled).
 #ifndef PKV_TRACE
 #define PKV_TRACE 0
 #endif
 constexpr int kTraceFields = 16;
-constexpr int kTraceCtas = 1024;
-constexpr int kTraceRecords = 2 * kTraceCtas;
+constexpr int kTraceCtas = 1024;  // above any grid (CTAs per SM x SMs)
+constexpr int kTraceRecords = kTraceCtas;
 // Copies the trace buffer to host memory dst (kTraceRecords * kTraceFields u64) and clears
 // it; cudaErrorNotSupported in a build without PKV_TRACE.
 cudaError_t read_graph_trace(unsigned long long* dst);
 
 // CTAs per SM the kernel is built for at this head_dim (its shared-memory budget).
 int graph_decode_ctas_per_sm(int head_dim);
-// dtype: the query's (and output's); kv_fp8: the cache holds e4m3 bytes.
-cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim,
+// dtype: the query's (and output's); kv_fp8: the cache holds e4m3 bytes. pdl: launched as a
+// programmatic dependent of the kernel queued before it (sm_90+): the lengths scan, the cut, the
+// block-table loads and the copies of tokens before each row's newest run while that kernel
+// drains; Q, the newest q_len tokens' K/V and every write wait for it. So the step's lengths, request
+// ids, block table and its older tokens' K/V (and their page factors) must not be written by
+// that kernel; false: an ordinary launch.
+cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv_fp8, int head_dim, bool pdl,
                                 cudaStream_t stream);
 
 }  // namespace pkv

@@ -20,6 +20,12 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
   __shared__ int s_warp[kWarps];
   __shared__ int s_nzw[kWarps];
   __shared__ int s_last;
+  // A programmatic dependent (the next decode of a replayed graph, say) may launch once every CTA
+  // is resident: it lands on the SMs of CTAs that exit (those with no work leave at once) and runs
+  // its scan, cut and first old-token copies there; it reads or writes nothing this grid writes
+  // before its griddep_wait. Every read before this grid's own wait (in the attend prologue) is
+  // of the step's metadata and of tokens before the newest (Range::t_fresh).
+  griddep_launch_dependents();
   unsigned long long* const rec = trace_begin();
   const int tid = threadIdx.x;
   // H: the cut's segments per row (KV heads x query blocks); a slot holds S_rows query rows.
@@ -90,6 +96,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.t_begin = (ft + (tile_lo > 0 ? tile_lo : 0)) * kTile;
     a.t_end = min((ft + tile_hi) * kTile, len);
     a.valid_end = a.t_end;
+    a.t_fresh = len - p.q_len;  // the newest tokens' K/V (the row's queries'): appended by the kernel before this one
     a.group = G;
     a.rows = qr.rows;
     a.q_tok_stride = static_cast<int64_t>(Hq) * D;
@@ -98,7 +105,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D, kFp8>::kCtasPerSm) grap
     a.scale_log2 = p.scale_log2 * p.k_scale;
     a.page_scales = p.page_scales;
     a.scale_head = kvh;
-    a.num_kv_heads = H;
+    a.num_kv_heads = p.num_kv_heads;
     a.out_scale = p.v_scale;
     a.trace = pieces == 0 ? rec : nullptr;
     if (pieces == 0) first_tokens = a.t_end - a.t_begin;

@@ -23,7 +23,7 @@ __global__ void __launch_bounds__(kThreads, AttendCfg<D>::kCtasPerSm) decode_ker
 
   // Let a programmatic dependent (the merge) launch once every CTA has started; it
   // still waits for this grid's completion before reading anything.
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  griddep_launch_dependents();
   const int H = p.num_kv_heads, G = p.group, Hq = H * G;
   const int slot = blockIdx.x;
 
@@ -150,7 +150,7 @@ template <typename T, int D>
 __global__ void __launch_bounds__(kMergeThreads) merge_kernel(const MergeParams p) {
   // Launched as a programmatic dependent of the decode grid: wait until its partial
   // states are complete and visible (the launch itself overlapped the decode's tail).
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  griddep_wait();
   const int seg = blockIdx.x;
   const int i = seg / p.num_kv_heads, kvh = seg % p.num_kv_heads;
   const int out_row = p.qo_indexed ? p.rows[i] : i;
@@ -193,7 +193,7 @@ cudaError_t decode_typed(const DecodeParams& p, cudaStream_t stream) {
 
 template <typename T, int D>
 cudaError_t merge_typed(const MergeParams& p, cudaStream_t stream) {
-  return launch_dependent_merge(merge_kernel<T, D>, dim3(p.num_rows * p.num_kv_heads), dim3(kMergeThreads), stream, p);
+  return launch_programmatic(merge_kernel<T, D>, dim3(p.num_rows * p.num_kv_heads), dim3(kMergeThreads), 0, stream, p);
 }
 
 }  // namespace

@@ -168,4 +168,20 @@ __device__ __forceinline__ int ld_acquire(const int* p) {
   return v;
 }
 
+// Programmatic dependent launch (sm_90 and up; no-ops in a launch without a programmatic
+// dependency). griddep_wait: the kernel queued before this one has completed and its writes are
+// visible. griddep_launch_dependents: a kernel launched after this one as a programmatic
+// dependent may start once every CTA of this grid has issued it (or exited); it still waits at
+// its own griddep_wait for this grid's completion.
+__device__ __forceinline__ void griddep_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddep_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 }  // namespace pkv

@@ -119,14 +119,16 @@ __device__ void merge_states(const float* partial, int num_slots, int G, int n, 
   }
 }
 
-// Launch a merge kernel as a programmatic dependent of the decode just queued on `stream`
-// (PDL): it may start while the decode runs and waits for it at griddepcontrol.wait.
+// Launch `kernel` as a programmatic dependent of the kernel queued before it on `stream` (PDL):
+// it may start while that kernel runs (once its CTAs have issued griddep_launch_dependents, or
+// exited) and waits for it at griddep_wait. Inside stream capture this is a programmatic edge.
 template <typename... Params, typename... Args>
-inline cudaError_t launch_dependent_merge(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
-                                          Args&&... args) {
+inline cudaError_t launch_programmatic(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                                       cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cudaLaunchAttribute at[1];
   at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;

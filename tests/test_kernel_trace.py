@@ -9,9 +9,9 @@ F = {name: i for i, name in DECODE_FIELDS.items()}
 
 
 def record(finer: bool) -> np.ndarray:
-    rec = np.zeros((2, TRACE_CTAS, TRACE_FIELDS), dtype=np.int64)
+    rec = np.zeros((TRACE_CTAS, TRACE_FIELDS), dtype=np.int64)
     for cta in range(4):
-        r = rec[0, cta]
+        r = rec[cta]
         r[F["gt_start"]], r[F["gt_end"]] = 1000 + cta, 11000   # ns
         # clocks at 2 GHz (2 per ns): entry, scan, cut, pages, first KV, loop end, state, end
         for name, t in (("start", 100), ("scan", 2500), ("cut", 3700), ("pages", 7300), ("first_kv", 8500),

@@ -35,8 +35,6 @@ def test_table5_layout_and_roofline_fraction():
 def test_kernel_roles():
     assert kernel_role("void pkv::(anonymous namespace)::graph_decode_kernel<__half, 128, 1, false>(P)") == \
         "PersistentKV graph decode (pkv-graph)"
-    assert kernel_role("void pkv::(anonymous namespace)::graph_merge_kernel<__half, 128>(P)") == \
-        "PersistentKV graph merge (pkv-graph)"
     assert (kernel_role("void flashinfer::BatchPrefillWithPagedKVCacheKernel<1>(P)")
             == "FlashInfer decode (tensor cores)")
     assert kernel_role("void flashinfer::PersistentVariableLengthMergeStatesKernel<8>(T)") == "FlashInfer merge"

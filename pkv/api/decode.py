@@ -29,7 +29,7 @@ def _check_reading(view: KvView, layout: str, num_kv_heads: int | None, page_siz
 
 def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: torch.Tensor,
            workspace: torch.Tensor | None, *, sm_scale, logits_soft_cap, out, return_lse, k_scale, v_scale,
-           window_left=None, q_len=1, sinks=None):
+           window_left=None, q_len=1, sinks=None, pdl: bool = False):
     """The op over resolved K, V views; allocates out (and lse) when not given. Shared by decode and the wrapper."""
     for name, t in (("q", q), ("block_table", block_table), ("seq_lens", seq_lens), ("out", out)):
         if not isinstance(t, torch.Tensor) and (t is not None or name != "out"):
@@ -44,7 +44,7 @@ def run_op(q: torch.Tensor, view: KvView, block_table: torch.Tensor, seq_lens: t
     check_queries(q_len, window_left, sinks, q.shape[1] if q.dim() == 3 else 0, "pkv decode")   # before the op casts
     paged_decode(q, view.k, view.v, block_table, seq_lens, workspace, out, lse, scale,
                  float(logits_soft_cap or 0.0), 1.0 if k_scale is None else float(k_scale),
-                 1.0 if v_scale is None else float(v_scale), window_left, q_len, sinks)
+                 1.0 if v_scale is None else float(v_scale), window_left, q_len, sinks, bool(pdl))
     return (out, lse) if return_lse else out
 
 
@@ -52,7 +52,7 @@ def decode(q: torch.Tensor, kv_cache, block_table: torch.Tensor, seq_lens: torch
            sm_scale: float | None = None, logits_soft_cap: float | None = None, out: torch.Tensor | None = None,
            return_lse: bool = False, k_scale: float | None = None, v_scale: float | None = None,
            num_kv_heads: int | None = None, page_size: int | None = None, window_left: int | None = None,
-           sinks: torch.Tensor | None = None, q_len: int = 1):
+           sinks: torch.Tensor | None = None, q_len: int = 1, pdl: bool = False):
     """Decode attention of q_len new tokens per row (1 by default) over its paged KV.
 
     q [B, H_qo, D] float16/bfloat16; kv_cache one tensor or a (K, V) pair in `layout`
@@ -69,9 +69,12 @@ def decode(q: torch.Tensor, kv_cache, block_table: torch.Tensor, seq_lens: torch
     (keys at or before its position). window_left W (None or -1: off): a query at position p reads
     keys [p - W, p] (FlashInfer's window_left). sinks: float32 [H_qo], natural-log logits, each adding
     exp(sink) to its head's softmax denominator once; the LSE then includes that term.
+    pdl=True launches the kernel as a programmatic dependent of the kernel queued before it (SM 9.0+,
+    else ignored): it reads block_table, seq_lens and every token's K/V but the newest q_len of each row
+    while that kernel still runs, so that kernel must not write them (docs/api.md).
     """
     view = kv_view(kv_cache, layout)
     _check_reading(view, layout, num_kv_heads, page_size)
     return run_op(q, view, block_table, seq_lens, None, sm_scale=sm_scale, logits_soft_cap=logits_soft_cap, out=out,
                   return_lse=return_lse, k_scale=k_scale, v_scale=v_scale, window_left=window_left, q_len=q_len,
-                  sinks=sinks)
+                  sinks=sinks, pdl=pdl)

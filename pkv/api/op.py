@@ -193,7 +193,8 @@ def _cpu(q, k, v, block_table, seq_lens, out, lse, sm_scale, cap, k_scale, v_sca
 
 
 def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_scale, v_scale, window_left, q_len,
-          sinks) -> None:
+          sinks, pdl) -> None:
+    from pkv.engines.common import pdl_supported
     from pkv.kernels.loader import ops
 
     if k.data_ptr() % ALIGN or v.data_ptr() % ALIGN:
@@ -205,19 +206,22 @@ def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_
     partial, ids, counters = split_workspace(workspace, batch, hq, k.shape[1], d, q_len)
     ops().graph_decode_paged(q, k, v, block_table, seq_lens, ids, out, lse, partial, counters, num_ctas(q.device, d),
                              GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, piece_cost=PIECE_COST,
-                             window_left=window_left, q_len=q_len, sinks=sinks)
+                             window_left=window_left, q_len=q_len, sinks=sinks, pdl=pdl and pdl_supported(q.device))
 
 
 @torch.library.custom_op("pkv_api::paged_decode", mutates_args=("out", "lse", "workspace"))
 def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table: torch.Tensor,
                  seq_lens: torch.Tensor, workspace: torch.Tensor | None, out: torch.Tensor,
                  lse: torch.Tensor | None, sm_scale: float, logits_soft_cap: float, k_scale: float,
-                 v_scale: float, window_left: int = -1, q_len: int = 1, sinks: torch.Tensor | None = None) -> None:
-    """Decode attention of q [B * q_len, Hq, D] over K, V [pages, Hkv, P, D] (strided views) into out (and lse)."""
+                 v_scale: float, window_left: int = -1, q_len: int = 1, sinks: torch.Tensor | None = None,
+                 pdl: bool = False) -> None:
+    """Decode attention of q [B * q_len, Hq, D] over K, V [pages, Hkv, P, D] (strided views) into out (and lse);
+    pdl: launched as a programmatic dependent of the kernel before it (csrc/graph_decode.h: what it may
+    read before that kernel is done), where the GPU has it."""
     args = (q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale)
     check_args(*args, window_left, q_len, sinks)
     if q.device.type == "cuda":
-        _cuda(*args, window_left, q_len, sinks)
+        _cuda(*args, window_left, q_len, sinks, pdl)
     else:
         if workspace is not None:   # its capacity, as on CUDA
             split_workspace(workspace, q.shape[0] // q_len, q.shape[1], k.shape[1], q.shape[2], q_len)
@@ -227,6 +231,6 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block_table:
 
 @paged_decode.register_fake
 def _(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale,
-      window_left=-1, q_len=1, sinks=None) -> None:
+      window_left=-1, q_len=1, sinks=None, pdl=False) -> None:
     check_args(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, logits_soft_cap, k_scale, v_scale,
                window_left, q_len, sinks)

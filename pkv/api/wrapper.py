@@ -38,7 +38,7 @@ class DecodeWrapper:
 
     def __init__(self, max_batch: int, max_pages: int, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  page_size: int, layout: str = "HND", dtype: torch.dtype = torch.float16, kv_fp8: bool = False,
-                 device: torch.device | str = "cuda", q_len: int = 1):
+                 device: torch.device | str = "cuda", q_len: int = 1, pdl: bool = True):
         if dtype not in QUERY_DTYPES:
             raise ValueError(f"pkv decode: queries are float16 or bfloat16, got {dtype}")
         if not (isinstance(max_pages, int) and max_pages >= 1):
@@ -57,6 +57,12 @@ class DecodeWrapper:
         self.block_table = self.meta[max_batch:].view(max_batch, max_pages)
         self._staging = PinnedStaging(self.device, capacity=self.meta.numel())
         self._updated = False   # run() before the first update() would read no step at all
+        # run() launches as a programmatic dependent (pdl, SM 9.0+): it reads this wrapper's metadata
+        # and the layer's older tokens while the kernel before it drains. After an update() from
+        # device tensors (copied by kernels) the next run() launches plainly, since the kernel
+        # before it may be that copy.
+        self.pdl = bool(pdl)
+        self._meta_by_kernel = False
 
     def update(self, block_table, seq_lens) -> None:
         """The step's metadata for every layer: block_table [b, w] (w <= max_pages) and seq_lens [b]
@@ -83,7 +89,7 @@ class DecodeWrapper:
             self.seq_lens[:b].copy_(seq_lens)
             self.seq_lens[b:].zero_()
             self.block_table[:b, :w].copy_(block_table)
-            self._updated = True
+            self._updated, self._meta_by_kernel = True, True
             return
         if seq_lens.dtype.kind not in "iu" or block_table.dtype.kind not in "iu":
             raise ValueError(f"pkv decode: block_table and seq_lens must be integers, got {block_table.dtype} and "
@@ -108,7 +114,7 @@ class DecodeWrapper:
         buf[b:mb] = 0
         buf[mb:mb + b * mp].reshape(b, mp)[:, :w] = block_table
         self._staging.send(mb + b * mp, out=self.meta)
-        self._updated = True
+        self._updated, self._meta_by_kernel = True, False
 
     def run(self, q: torch.Tensor, kv_layer, *, out: torch.Tensor | None = None, return_lse: bool = False,
             sm_scale: float | None = None, logits_soft_cap: float | None = None, k_scale: float | None = None,
@@ -133,6 +139,7 @@ class DecodeWrapper:
         if (view.k.dtype == torch.float8_e4m3fn) != s.fp8:   # the workspace and kernel are chosen for one KV dtype
             made = "an FP8 (e4m3) KV cache (kv_fp8=True)" if s.fp8 else f"a {s.torch_dtype} KV cache"
             raise ValueError(f"pkv decode: this wrapper was made for {made}, the layer's KV cache is {view.k.dtype}")
+        pdl, self._meta_by_kernel = self.pdl and not self._meta_by_kernel, False
         return run_op(q, view, self.block_table[:rows], self.seq_lens[:rows], self.workspace, sm_scale=sm_scale,
                       logits_soft_cap=logits_soft_cap, out=out, return_lse=return_lse, k_scale=k_scale,
-                      v_scale=v_scale, window_left=window_left, q_len=ql, sinks=sinks)
+                      v_scale=v_scale, window_left=window_left, q_len=ql, sinks=sinks, pdl=pdl)

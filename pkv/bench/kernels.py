@@ -174,20 +174,17 @@ def with_ratios(frame):
 DECODE_FIELDS = {0: "gt_start", 1: "start", 2: "scan", 3: "cut", 4: "pages", 5: "first_kv", 6: "loop_end",
                  7: "state", 8: "end", 9: "gt_end", 10: "flags", 11: "first_tokens", 12: "smid",
                  13: "lengths_in", 14: "piece_ready", 15: "bt_in"}
-MERGE_FIELDS = {0: "gt_start", 1: "start", 2: "scan", 3: "wait", 4: "end", 9: "gt_end", 10: "flags"}
 TRACE_CTAS, TRACE_FIELDS = 1024, 16   # kTraceCtas, kTraceFields
 
 
 def trace_phases(rec, clock_ghz: float) -> dict:
-    """The phase budget of one traced call (rec: [2, TRACE_CTAS, TRACE_FIELDS] int64), in µs.
+    """The phase budget of one traced call (rec: [TRACE_CTAS, TRACE_FIELDS] int64), in µs.
 
-    Per active decode CTA (medians, and the max for the whole range): lengths loaded and
-    scanned, range cut, block-table ids (prologue copies issued), first KV step landed, the
-    steady loop, drain + CTA state written, last-CTA merge. Across the launch: start
-    skew of the decode CTAs, the decode span (first start to last end, %globaltimer), and
-    for the merge kernel (merge modes 1-3) its first start after the decode's, its release after the
-    decode's last CTA ended (griddepcontrol.wait), its merge work and its last end."""
-    dec, mer = rec[0], rec[1]
+    Per active CTA (medians, and the max for the whole range): lengths loaded and scanned,
+    range cut, block-table ids and the wait for the previous kernel (prologue copies issued),
+    first KV step landed, the steady loop, drain + CTA state written, the in-grid merge. Across
+    the launch: start skew of the CTAs and the span (first start to last end, %globaltimer)."""
+    dec = rec
     used = dec[:, 0] > 0
     act = used & ((dec[:, 10] & 1) == 1)
     out = {}
@@ -200,7 +197,7 @@ def trace_phases(rec, clock_ghz: float) -> dict:
     # The finer stamps (13-15: the lengths' and the block table's round trips, the piece's
     # set-up) split scan and bt; a build without them leaves those fields 0.
     for name, (i0, i1) in {"scan": (1, 2), "cut": (2, 3), "bt": (3, 4), "first_kv": (4, 5), "steady": (5, 6),
-                           "drain_state": (6, 7), "v4_merge": (7, 8), "lengths_rt": (1, 13),
+                           "drain_state": (6, 7), "merge": (7, 8), "lengths_rt": (1, 13),
                            "scan_math": (13, 2), "setup": (3, 14), "bt_rt": (14, 15), "issue": (15, 4)}.items():
         if not ((a[:, i0] > 0) & (a[:, i1] > 0)).all():
             continue
@@ -212,19 +209,6 @@ def trace_phases(rec, clock_ghz: float) -> dict:
     out["decode_span"] = (int(dec[used, 9].max()) - t0) * 1e-3
     out["active_ctas"] = int(act.sum())
     out["first_tokens"] = float(np.median(a[:, 11]))
-    m_used = mer[:, 0] > 0
-    if m_used.any():
-        m = mer[m_used]
-        job = (m[:, 10] & 1) == 1
-        out["merge_first_start"] = (int(m[:, 0].min()) - t0) * 1e-3
-        out["merge_end"] = (int(m[:, 9].max()) - t0) * 1e-3
-        if job.any():
-            mj = m[job]
-            release = mj[:, 0] * 1e-3 + (mj[:, 3] - mj[:, 1]) * us - t0 * 1e-3
-            out["merge_release_after_decode"] = float(np.median(release)) - out["decode_span"]
-            out["merge_work"] = float(np.median((mj[:, 4] - mj[:, 3]) * us))
-            out["merge_jobs"] = int(job.sum())
-    out["span"] = max(out["decode_span"], out.get("merge_end", 0.0))
     return out
 
 
@@ -248,7 +232,7 @@ def run_trace(args, cases, engines, command: str) -> int:
 
     pkv_ops = ops()
     clock_ghz = args.trace_clock_ghz
-    buf = torch.zeros(2 * TRACE_CTAS * TRACE_FIELDS, dtype=torch.int64)
+    buf = torch.zeros(TRACE_CTAS * TRACE_FIELDS, dtype=torch.int64)
     records, summary = [], []
     arena = KvArena.for_cases(cases)
     for case in cases:
@@ -274,24 +258,20 @@ def run_trace(args, cases, engines, command: str) -> int:
             for rep in range(args.reps):
                 graph.replay()
                 pkv_ops.graph_trace(buf)
-                rec = buf.view(2, TRACE_CTAS, TRACE_FIELDS).numpy().copy()
+                rec = buf.view(TRACE_CTAS, TRACE_FIELDS).numpy().copy()
                 phases.append(trace_phases(rec, clock_ghz))
                 if rep == 0:
-                    for kind, fields in ((0, DECODE_FIELDS), (1, MERGE_FIELDS)):
-                        used = np.flatnonzero(rec[kind, :, 0] > 0)
-                        for cta in used:
-                            records.append(dict(case=case.name, engine=label, kernel=("decode", "merge")[kind],
-                                                cta=int(cta), **{f: int(rec[kind, cta, i]) for i, f in fields.items()}))
+                    for cta in np.flatnonzero(rec[:, 0] > 0):
+                        records.append(dict(case=case.name, engine=label, cta=int(cta),
+                                            **{f: int(rec[cta, i]) for i, f in DECODE_FIELDS.items()}))
             keys = sorted({k for ph in phases for k in ph})
             row = dict(case=case.name, engine=label, graph_us_trace_build=graph_us,
                        **{k: float(np.median([ph[k] for ph in phases if k in ph])) for k in keys})
             summary.append(row)
             print(f"{case.name:10s} {label:28s} " + " ".join(
-                f"{k}={row[k]:.2f}" for k in ("graph_us_trace_build", "span", "decode_span", "start_skew", "scan",
+                f"{k}={row[k]:.2f}" for k in ("graph_us_trace_build", "decode_span", "start_skew", "scan",
                                                "lengths_rt", "scan_math", "cut", "bt", "setup", "bt_rt", "issue",
-                                               "first_kv", "steady", "drain_state", "v4_merge",
-                                               "merge_release_after_decode", "merge_work", "merge_end",
-                                               "clock_ghz_measured")
+                                               "first_kv", "steady", "drain_state", "merge", "clock_ghz_measured")
                 if k in row),
                   flush=True)
             del es, calls, graph

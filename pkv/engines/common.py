@@ -10,6 +10,13 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def pdl_supported(device) -> bool:
+    """Programmatic dependent launch (a kernel starting while the one before it drains) exists
+    from SM 9.0 on; every engine that can launch so does where it exists (FlashInfer's rule too)."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 class PinnedStaging:
     """The one host-to-device copy of a step's int32 metadata, through pinned buffers that
     are allocated once and reused across steps (what a serving engine keeps).

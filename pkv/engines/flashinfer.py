@@ -11,7 +11,7 @@ from pkv.core.harness import StepState
 from pkv.core.paging import flashinfer_view
 from pkv.core.validate import check_kv
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import num_sms
+from pkv.engines.common import num_sms, pdl_supported
 from pkv.engines.table import info
 
 WORKSPACE_BYTES = 128 << 20   # FlashInfer's recommended float workspace (128 MB)
@@ -85,6 +85,9 @@ class FlashInferEngine(Engine):
         self._qo_indptr = torch.arange(cache.assignment.num_requests + 1, dtype=torch.int32)
         self._views: dict[int, tuple] = {}
         self.persistent = info(name).kind == "persistent"   # BatchAttention: its plan takes a qo_indptr
+        # The decode wrappers launch with PDL where the GPU has it (named, not left to FlashInfer's
+        # default); BatchAttention has no such option.
+        self.launch = {} if self.persistent else {"enable_pdl": pdl_supported(cache.device)}
         if self.persistent:
             self.wrapper = flashinfer.BatchAttention(kv_layout="HND", device=str(cache.device))
         else:
@@ -121,7 +124,7 @@ class FlashInferEngine(Engine):
         scales = {} if c.scales is None else {"k_scale": c.scales.k_scale, "v_scale": c.scales.v_scale}
         if self.sinks is not None:
             scales["sinks"] = self.sinks
-        out = self.wrapper.run(q, c.kv, **scales)
+        out = self.wrapper.run(q, c.kv, **scales, **self.launch)
         return out[0] if isinstance(out, tuple) else out
 
 

@@ -19,7 +19,7 @@ import torch
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import PinnedStaging
+from pkv.engines.common import PinnedStaging, pdl_supported
 from pkv.kernels.reference import run_schedule
 from pkv.plan.costmodel import graph_cost
 from pkv.plan.device_schedule import (
@@ -99,7 +99,7 @@ class GraphEngine(Engine):
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
                  min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None,
-                 piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0,
+                 piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0, pdl: bool | None = None,
                  window_left: int = -1, q_len: int = 1, sinks=None):
         super().__init__(cache)
         s = cache.shape
@@ -127,6 +127,9 @@ class GraphEngine(Engine):
             raise ValueError(f"counter_stride x query blocks ({self.queries.blocks}) is 1..{MAX_COUNTER_STRIDE} and "
                              f"spin_ns 0..{MAX_SPIN_NS}, got {counter_stride} and {spin_ns}")
         self.counter_stride, self.spin_ns = int(counter_stride), int(spin_ns)
+        # Launched as a programmatic dependent where the GPU has it (csrc/graph_decode.h says what
+        # it reads before the previous kernel is done: the step's metadata and older tokens).
+        self.pdl = pdl_supported(cache.device) if pdl is None else bool(pdl) and pdl_supported(cache.device)
         if self.gpu:
             sms = num_sms or torch.cuda.get_device_properties(cache.device).multi_processor_count
             self.num_ctas = (ctas_per_sm or CTAS_PER_SM[s.head_dim]) * sms
@@ -170,7 +173,7 @@ class GraphEngine(Engine):
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
                                   piece_cost=self.piece_cost, counter_stride=self.counter_stride, spin_ns=self.spin_ns,
-                                  window_left=self.queries.window_left, q_len=ql, sinks=self.sinks)
+                                  pdl=self.pdl, window_left=self.queries.window_left, q_len=ql, sinks=self.sinks)
             return out
         b = plan.step.active
         if ql > 1 and (np.asarray(plan.step.seq_lens)[:b] < ql).any():

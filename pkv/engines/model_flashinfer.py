@@ -13,6 +13,7 @@ import torch
 from pkv.core.harness import StepState
 from pkv.core.paging import FlashInferView, PageAssignment, flashinfer_view
 from pkv.core.shape import Shape
+from pkv.engines.common import pdl_supported
 from pkv.engines.flashinfer import workspace as new_workspace
 from pkv.engines.model import GraphRunner, Runner
 from pkv.engines.table import the
@@ -100,6 +101,7 @@ class FlashInferGraphRunner(GraphRunner):
             self.wrappers[b] = flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
                 workspace, indptr, indices, last, kv_layout="HND", use_tensor_cores=True)
         self.staging = FlashInferStaging(dev, max(buckets), pages)
+        self.pdl = pdl_supported(dev)   # FlashInfer's decode launches with PDL where the GPU has it
 
     def prepare(self, step, bucket):
         wrapper = self.wrappers[bucket]
@@ -107,8 +109,8 @@ class FlashInferGraphRunner(GraphRunner):
         self.route = f"{self.name}/{_resolved(wrapper)}".rstrip("/")
 
     def attend(self, bucket):
-        wrapper, kvs, scales = self.wrappers[bucket], [c.kv for c in self.caches], self.scales
-        return lambda i, q: wrapper.run(q, kvs[i], **scales[i])
+        wrapper, kvs, scales, pdl = self.wrappers[bucket], [c.kv for c in self.caches], self.scales, self.pdl
+        return lambda i, q: wrapper.run(q, kvs[i], **scales[i], enable_pdl=pdl)
 
 
 class FlashInferEagerRunner(Runner):
@@ -121,6 +123,7 @@ class FlashInferEagerRunner(Runner):
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.cache.device), "HND",
                                                                      use_tensor_cores=True)
         self.staging = FlashInferStaging(self.cache.device, max(buckets), self.cache.assignment.num_pages)
+        self.pdl = pdl_supported(self.cache.device)
 
     def prepare(self, step, bucket):
         view = flashinfer_view(self.cache.assignment, step.request_ids, step.seq_lens)
@@ -129,7 +132,8 @@ class FlashInferEagerRunner(Runner):
 
     def launch(self, step, bucket):
         kvs, scales = [c.kv for c in self.caches], self.scales
-        return self.model.forward(self.xs[bucket][:step.active], lambda i, q: self.wrapper.run(q, kvs[i], **scales[i]))
+        return self.model.forward(self.xs[bucket][:step.active],
+                                  lambda i, q: self.wrapper.run(q, kvs[i], **scales[i], enable_pdl=self.pdl))
 
 
 class XqaGraphRunner(GraphRunner):

@@ -40,7 +40,7 @@ class EngineInfo:
 
 PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
 FEATURE_OPTIONS = ("validate", "window_left", "q_len", "sinks")   # FlashInfer's planned decode: plan/run pass them
-GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost", "counter_stride", "spin_ns",
+GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost", "counter_stride", "spin_ns", "pdl",
                  "window_left", "q_len", "sinks")
 
 ENGINES: dict[str, EngineInfo] = {

@@ -49,7 +49,7 @@ import torch
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import PinnedStaging, num_sms
+from pkv.engines.common import PinnedStaging, num_sms, pdl_supported
 
 PAGE_SIZES = (16, 32, 64, 128)       # TOKENS_PER_PAGE that flashinfer/jit/xqa.py builds
 HEAD_DIM_STEP, MAX_HEAD_DIM = 16, 256   # head_dim % 16 == 0; > 256 has no SM90 (GMMA, FP8) kernel
@@ -152,7 +152,7 @@ class XqaEngine(Engine):
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=dev)
         self._semaphores, self._scratch = workspace[:SEMAPHORE_BYTES], workspace[SEMAPHORE_BYTES:]
         self._sms = num_sms(dev)
-        self._pdl = True                # SM >= 9 (check_device): FlashInfer's device_support_pdl
+        self._pdl = pdl_supported(cache.device)
         # XQA's Hopper FP8 kernel, else its generic one (module docstring); FlashInfer runs the generic one
         # with sinks and speculative rows
         self._fp8_sm90 = bool(hopper_fp8) and not (q_len > 1 and sinks is not None)

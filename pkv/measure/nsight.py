@@ -41,7 +41,6 @@ ROLES = (
     (r"flashinfer::.*Persistent", "FlashInfer persistent attention"),
     (r"kernel_mha", "FlashInfer decode (XQA)"),      # TensorRT-LLM's XQA kernel (flashinfer-xqa), no namespace
     (r"pkv::.*graph_decode_kernel", "PersistentKV graph decode (pkv-graph)"),
-    (r"pkv::.*graph_merge_kernel", "PersistentKV graph merge (pkv-graph)"),
     (r"pkv::.*decode_kernel", "PersistentKV decode"),
     (r"pkv::.*merge_kernel", "PersistentKV merge"),
 )

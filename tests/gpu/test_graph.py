@@ -154,6 +154,50 @@ def test_sanitizer_grid(head_dim, kv, page, lens):
         check(out, ref, "float16", f"sanitizer grid d{head_dim} {kv} p{page} {lens} pc {piece_cost}")
 
 
+@pytest.mark.parametrize("lengths", ["33", "4K", "many-short", "one-long"])
+def test_pdl_chain_reads_the_previous_kernels_output(lengths):
+    """Decodes launched back to back as programmatic dependents, each one's q the output of the one
+    before (which lets its dependent launch at its start): a q read, or an output, partial state or
+    counter written, before the wait would read the poison or race the previous decode. Eager,
+    then the same chain captured in one CUDA graph and replayed over poisoned outputs."""
+    from pkv.api import DecodeWrapper
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs SM 9.0")
+    seed = seed_of("pdl-chain", lengths)
+    cache, step, q0 = make_case(lens_for(lengths, np.random.default_rng(seed)), seed=seed)
+    s = cache.shape
+    table = cache.block_table[torch.as_tensor(step.request_ids, device="cuda")]
+    wrapper = DecodeWrapper(step.active, table.shape[1], num_qo_heads=s.num_qo_heads, num_kv_heads=s.num_kv_heads,
+                            head_dim=s.head_dim, page_size=s.page_size)
+    wrapper.update(table.cpu(), torch.as_tensor(step.seq_lens))
+    outs = [torch.empty_like(q0) for _ in range(6)]
+
+    def chain():
+        q = q0
+        for o in outs:
+            wrapper.run(q, cache.kv, out=o)
+            q = o
+
+    def check_chain(what):
+        for i, (q, o) in enumerate(zip([q0, *outs], outs)):
+            check(o, reference(cache, step, q), "float16", f"pdl chain {lengths} {what} link {i}")
+
+    for o in outs:
+        o.fill_(float("nan"))
+    chain()
+    torch.cuda.synchronize()
+    check_chain("eager")
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain()
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check_chain("graph")
+
+
 def reference_dequantized(cache8, step, q):
     from pkv.kernels.reference import attention_reference
 
