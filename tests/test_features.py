@@ -221,3 +221,21 @@ def test_refusals_of_rows_and_engines():
         with pytest.raises(ValueError, match=r"takes no option\(s\) \['window_left'\]") as e:
             make_engine(name, cache, window_left=128)
         assert "\n" not in str(e.value)
+
+
+def test_the_sweeps_feature_suite():
+    """The kernel sweep's feature rows: gpt-oss-like (sinks, sliding and full layers), Gemma-3-like
+    (d 256, window 1024) and speculative q_len 2/4/8 over B 1-32 and 1K-32K; a windowed case's
+    useful bytes are its rows' windows, and its engines get the options (a baseline without the
+    feature refuses them in one line)."""
+    from pkv.bench.kernels import SUITES
+
+    cases = SUITES["features"]()
+    assert {c.q_len for c in cases} == {1, 2, 4, 8}
+    assert {(c.head_dim, c.window_left) for c in cases if c.window_left >= 0} == {(64, 127), (256, 1023)}
+    assert all(c.sinks for c in cases if c.head_dim == 64)
+    assert {c.batch for c in cases} == {1, 8, 32} and max(max(c.lens) for c in cases) == 32 * 1024
+    sliding = next(c for c in cases if c.window_left == 127 and c.batch == 1)
+    assert sliding.bytes == 128 * sliding.shape.kv_bytes_per_token
+    spec = next(c for c in cases if c.q_len == 4)
+    assert spec.feature_options == {"q_len": 4}
