@@ -168,6 +168,12 @@ def fp8_kernels() -> tuple[str, ...]:
     return tuple(n for n in fp8_readers() if ENGINES[n].family != "reference")
 
 
+def feature_kernels() -> tuple[str, ...]:
+    """The engines that take sliding windows, sinks and q_len (the kernel sweep's features suite):
+    pkv-graph and the FlashInfer paths the sweep measures it against, each passing what FlashInfer has."""
+    return tuple(n for n, e in ENGINES.items() if "q_len" in e.options)
+
+
 def persistentkv(spec: str) -> bool:
     """Whether an engine label ("pkv-workqueue", "pkv-masked:row_local=false") is one of this
     project's kernels (family pkv or pkv-graph); a label of no engine (vllm) is not."""

@@ -2,6 +2,10 @@
 # decode variants over the serving range, then its table and ratio figure from Parquet.
 # Nothing here is routed, so it needs no calibration; paper profile only (GPU kernels).
 # First of all (priority), every kernel the run loads is built at once (pkv/measure/warm.py).
+# The features rows (sliding windows, sinks, q_len: `pkv bench kernels --suites features`) are a
+# named target, not part of `all`: `snakemake --cores 1 results/raw/kernels/features.parquet`.
+
+from pkv.engines.table import feature_kernels
 
 
 rule build_kernels:
@@ -39,3 +43,25 @@ rule bench_kernels:
         "../../envs/pkv.yaml"
     shell:
         "python3 -m pkv.cli bench kernels --out {output.parquet:q} > {log:q} 2>&1"
+
+
+rule bench_feature_kernels:
+    """Windows, sinks and q_len rows: pkv-graph against every FlashInfer path that has the feature (GPU only)."""
+    input:
+        built=kernels_built(),
+    output:
+        parquet=out("raw/kernels/features.parquet"),
+    log:
+        out("logs/kernels/features.log"),
+    benchmark:
+        out("benchmarks/kernels/features.tsv")
+    params:
+        # a baseline that lacks a case's feature refuses it: its row holds the error, not a time
+        engines=list(feature_kernels()),
+    resources:
+        gpu=1,
+    conda:
+        "../../envs/pkv.yaml"
+    shell:
+        "python3 -m pkv.cli bench kernels --suites features --engines {params.engines:q} "
+        "--out {output.parquet:q} > {log:q} 2>&1"
