@@ -216,6 +216,8 @@ def test_refusals_of_rows_and_engines():
                           device="cpu", q_len=2)
         w.update(table, seq_lens)
         w.run(q[:3], kv)
+    with pytest.raises(ValueError, match="seq_lens must be 0 or >= 2"):
+        w.update(table, torch.tensor([1, 40], dtype=torch.int32))
     cache = PagedCache.random(Shape(8, 2, 64, 16, "float32"), assign_pages(np.array([40]), 16, 0.0, 0))
     for name in ("pkv-workqueue", "reference"):
         with pytest.raises(ValueError, match=r"takes no option\(s\) \['window_left'\]") as e:

@@ -98,6 +98,9 @@ class DecodeWrapper:
         if b and int(seq_lens.view(_unsigned(seq_lens.dtype)).max()) > w * self.shape.page_size:
             raise ValueError(f"pkv decode: seq_lens must be in 0..{w * self.shape.page_size} "
                              f"(block_table width x page size), got {seq_lens.min()}..{seq_lens.max()}")
+        if self.q_len > 1 and b and ((seq_lens > 0) & (seq_lens < self.q_len)).any():
+            raise ValueError(f"pkv decode: a row of q_len {self.q_len} holds its query tokens in the cache: "
+                             f"seq_lens must be 0 or >= {self.q_len}, got {seq_lens[seq_lens > 0].min()}")
         # Page ids wider than int32 (int64, uint32) would be cut to 32 bits: one unsigned reduction
         # refuses a negative id or one past int32's range. int32 ids (the common case) need none.
         if b and w and block_table.dtype.itemsize * 8 - (block_table.dtype.kind == "i") > 31 \
