@@ -1,7 +1,7 @@
 """The external trace's two replays (pkv.config.stages.EXTERNAL_REPLAYS): the headline at
 external.prompt_scale (1: the trace as recorded) and, where the config gives
-external.stress_scale, a stress test, labelled so in its title; the committed config keeps
-its one replay, file, title and hash (CPU)."""
+external.stress_scale, a stress test, labelled so in its title; the committed reference run
+keeps its one replay, file and title (its hash: tests/test_reference_config.py) (CPU)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from test_trace_files import MOONCAKE, RAW, pkv, smoke
+from test_trace_files import MOONCAKE, pkv, smoke
 
 from pkv.config.errors import ConfigError
 from pkv.config.jobs import check_job, stage_files
-from pkv.config.resolve import config_hash, effective, load_schema, validate_config
+from pkv.config.resolve import load_schema, validate_config
 from pkv.config.stages import EXTERNAL_REPLAYS, EXTERNAL_TITLE, STAGES, external_title
 from pkv.config.typed import Config
 from pkv.core.io import read_meta
@@ -26,15 +26,17 @@ REPO = Path(__file__).resolve().parents[1]
 STRESS = f"{EXTERNAL_TITLE}: stress test, prompts ×16"
 
 
-def test_the_committed_config_keeps_one_unlabelled_replay():
-    paper = effective(RAW, "paper", {"run": "reference"})
-    assert "stress_scale" not in RAW["external"]
-    assert list(stage_files(paper, "external")) == ["azure2023.parquet"] and not stage_files(paper, "external_stress")
-    assert external_title(paper["external"]) == EXTERNAL_TITLE
-    assert Config.from_dict(paper).external.replay("external") == (16.0, EXTERNAL_TITLE)
-    assert not in_all(TABLE_SPECS["external_stress"], "paper", paper)
+def test_the_committed_reference_run_keeps_one_unlabelled_replay():
+    """The reference run's frozen config (results/config.json) has no stress replay: one file, the
+    trace's own title, no external_stress table among its targets."""
+    committed = json.loads((REPO / "results" / "config.json").read_text())
+    assert "stress_scale" not in committed["external"]
+    assert list(stage_files(committed, "external")) == ["azure2023.parquet"]
+    assert not stage_files(committed, "external_stress")
+    assert external_title(committed["external"]) == EXTERNAL_TITLE
+    assert Config.from_dict(committed).external.replay("external") == (16.0, EXTERNAL_TITLE)
+    assert not in_all(TABLE_SPECS["external_stress"], "paper", committed)
     assert REPO / "results" / "tables" / "external_stress.md" not in targets(REPO / "results")
-    assert config_hash(paper) == config_hash(json.loads((REPO / "results" / "config.json").read_text()))
 
 
 def test_a_stress_scale_adds_a_second_replay_labelled_a_stress_test():
@@ -58,6 +60,7 @@ def test_the_schema_refuses_a_stress_scale_out_of_range(scale):
 
 def test_no_stress_replay_is_measured_where_the_config_asks_for_none():
     cfg = smoke()
+    cfg["external"].pop("stress_scale", None)
     with pytest.raises(ConfigError, match="measure external-stress: --trace"):
         check_job(cfg, "external_stress", trace="data/x.csv")
     with pytest.raises(ValueError, match=r"no external_stress replay \(external\.stress_scale\)"):
