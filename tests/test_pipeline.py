@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from pkv.config.resolve import SMOKE_BANNER, config_hash, effective
+from pkv.config.stages import EXTERNAL_REPLAYS
 from pkv.core.io import PROVENANCE_KEYS, file_hash, read_meta
 from pkv.measure.loop import COLUMNS
 from pkv.measure.model_step import COLUMNS as MODEL_STEP_COLUMNS
@@ -239,8 +240,9 @@ def test_parquet_schema_provenance_and_seeds(smoke):
     constants = root / "calibration" / "constants.json"
     files = sorted((root / "raw").rglob("*.parquet"))
     stages = {f.parent.name for f in files}
+    stress = {"external_stress"} if cfg["external"].get("stress_scale") else set()   # EXTERNAL_REPLAYS
     assert stages == {"calibrate", "serve", "isolated", "split_sensitivity", "b4_sweep", "gqa_sweep", "raggedness",
-                      "implementation", "mlp_proxy", "external", "host", "model_step"}
+                      "implementation", "mlp_proxy", "external", "host", "model_step", *stress}
     for f in files:
         schema = pq.read_schema(f)
         if f.parent.name == "model_step":   # the model step's own rows (pkv.measure.model_step)
@@ -366,7 +368,8 @@ def test_snakemake_report_embeds_every_table_and_figure_with_its_caption(smoke, 
     for path in smoke_targets(Path("results/smoke")):
         assert path.name in text, f"{path.name} is not in the report"
     for name, spec in TABLE_SPECS.items():
-        title = escape(HOSTILE_TITLE, quote=False) if name == "external" else spec.title   # the config's, as text
+        # the config's, as text (a stress test's title begins with it)
+        title = escape(HOSTILE_TITLE, quote=False) if name in EXTERNAL_REPLAYS else spec.title
         assert title in text or not in_all(spec, "smoke", SMOKE), title
     for spec in FIGURE_SPECS.values():
         assert spec.caption.split(",")[0] in text or not in_all(spec, "smoke", SMOKE), spec.caption

@@ -87,8 +87,12 @@ def _per_seed(cfg: dict, seeds: tuple) -> list[dict]:
     return [{"seed": s} for s in seeds]
 
 
-def _external(cfg: dict, seeds: tuple) -> list[dict]:
-    return [{"name": external_identity(cfg["external"])[0]}]
+def _external_replay(stage: str) -> Grid:
+    """The external trace's one job for `stage`'s replay, none where the config does not ask for it."""
+    def grid(cfg: dict, seeds: tuple) -> list[dict]:
+        scale = external_scale(cfg["external"], stage)
+        return [{"name": external_identity(cfg["external"])[0]}] if scale is not None else []
+    return grid
 
 
 def _nsight_capture(cfg: dict, seeds: tuple) -> list[dict]:
@@ -121,7 +125,10 @@ STAGES: dict[str, Stage] = {
     "mlp_proxy": Stage("mlp-proxy", "Table 3: attention + gated MLP tail on one seed", "mlp_proxy", "s{seed}.parquet",
                        (("seed", "seed"),), many=("seed",), grid=_point_of("mlp_proxy"), seeds="heldout"),
     "external": Stage("external", "the external request trace named in the config", "external", "{name}.parquet",
-                      (("trace", "path"),), grid=_external, seeds="ablation"),
+                      (("trace", "path"),), grid=_external_replay("external"), seeds="ablation"),
+    "external_stress": Stage("external-stress", "the external request trace with its prompts multiplied by "
+                             "external.stress_scale: a stress test", "external_stress", "{name}.parquet",
+                             (("trace", "path"),), grid=_external_replay("external_stress"), seeds="ablation"),
     # The model step (pkv.measure.model_step): in `all` when the config has a model_step
     # section (pkv.report.spec), its rules in workflow/rules/model.smk, both commands writing raw/model_step/; the
     # external trace's file is named like the external stage's (external_identity).
@@ -164,6 +171,29 @@ def external_identity(section: dict) -> tuple[str, str]:
             re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-._")[:64] or "external"
     title = section.get("title") or (EXTERNAL_TITLE if name == EXTERNAL_NAME else f"External request trace ({name})")
     return name, title
+
+
+# The replays of the external trace, one stage each: the headline replays the prompts
+# scaled by external.prompt_scale (1: as recorded; the committed reference run's config
+# says 16 and has no stress replay), a stress test by external.stress_scale where the
+# config gives one. stage -> (the external section's key of its prompt scale, the label
+# its title and text carry).
+EXTERNAL_REPLAYS = {"external": ("prompt_scale", ""), "external_stress": ("stress_scale", "stress test")}
+
+
+def external_scale(section: dict, stage: str) -> float | None:
+    """The prompt scale of the external trace's `stage` replay; None: the config asks for no such replay."""
+    return section.get(EXTERNAL_REPLAYS[stage][0])
+
+
+def external_title(section: dict, stage: str = "external") -> str:
+    """The title of the external trace's `stage` replay: the trace's own title (external_identity),
+    a stress test's labelled so, with its prompt scale."""
+    title = external_identity(section)[1]
+    label, scale = EXTERNAL_REPLAYS[stage][1], external_scale(section, stage)
+    if not label:
+        return title
+    return f"{title}: {label}" + (f", prompts ×{scale:g}" if scale is not None else "")
 
 
 def by_command(command: str) -> tuple[str, Stage]:

@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 
 from pkv.config.errors import ConfigError
 from pkv.config.schema import schema_default
-from pkv.config.stages import external_identity
+from pkv.config.stages import external_identity, external_scale, external_title
 from pkv.core.families import FAMILIES
 
 
@@ -222,10 +222,17 @@ class External:
     title: Optional[str] = None
     columns: Optional[ExternalColumns] = None
     time_unit: Optional[str] = None
+    stress_scale: Optional[float] = None   # the stress-test replay's prompt scale (pkv.config.stages.EXTERNAL_REPLAYS)
 
     def identity(self) -> tuple[str, str]:
         """(name, title) of the trace: its files' slug and its table's title."""
         return external_identity({"name": self.name, "title": self.title, "path": self.path})
+
+    def replay(self, stage: str) -> tuple[float | None, str]:
+        """(prompt scale, title) of the trace's `stage` replay (pkv.config.stages.EXTERNAL_REPLAYS);
+        a scale of None: the config asks for no such replay."""
+        section = dataclasses.asdict(self)
+        return external_scale(section, stage), external_title(section, stage)
 
 
 @dataclass(frozen=True)

@@ -21,19 +21,29 @@ adapter is as lean as pkv-graph's (pkv.engines.graph):
   outputs are not read.
 
 FP8 (e4m3, tensor scales): the project's cache holds K = k_scale * K8 and V = v_scale * V8
-(pkv.core.fp8). In FlashInfer's terms bmm1_scale = k_scale / sqrt(d) (the factor on
-q . K8) and bmm2_scale = v_scale (the factor on P V8). XQA takes one KV scale for both K
-and V (`kv_scale`) and a query scale (`q_scale`), and multiplies q . K8 by
-q_scale * kv_scale / sqrt(d) and P V8 by kv_scale; so kv_scale = v_scale and
-q_scale = k_scale / v_scale (FlashInfer's own mapping: kv_scale = bmm2_scale,
-q_scale = bmm1_scale / kv_scale * sqrt(d)). A 16-bit cache takes 1 and 1.
+(pkv.core.fp8). XQA takes one KV scale for both K and V (`kv_scale`), a query scale
+(`q_scale`) and the reciprocal of an output scale that only an FP8 output reads; its kernels
+multiply the FP32 accumulator q . K8 by q_scale * kv_scale / sqrt(d) and the normalized FP32
+accumulator P V8 by kv_scale (csrc/xqa/mha.cu: qkScale, voScale; mha_sm90.cu alike). V's
+scale can therefore only be kv_scale, and kv_scale = v_scale, q_scale = k_scale / v_scale is
+the one mapping (FlashInfer's own, from bmm1_scale = k_scale / sqrt(d) and bmm2_scale =
+v_scale: kv_scale = bmm2_scale, q_scale = bmm1_scale / kv_scale * sqrt(d)). A 16-bit cache
+takes 1 and 1. Both scales enter in FP32 and Q is not rescaled, so the mapping itself rounds
+nothing (tests/gpu/test_xqa.py pins it bit for bit).
 
 Which XQA kernel reads an FP8 cache: by default its generic kernel, which converts the e4m3
-K and V to the query's dtype and computes in 16 bits, so it meets the project's tolerance
-against the FP32 reference over the dequantized cache like every other FP8 reader. With
-`hopper_fp8=true` (on an SM 9.x device) it runs XQA's Hopper FP8 kernel instead, FlashInfer's
-own choice there: its GMMAs run in FP8, rounding Q and the softmax weights P to e4m3 too, which
-is faster and leaves that tolerance (tests/gpu/test_xqa.py bounds its error by e4m3's).
+K and V to the query's dtype (exactly) and runs the 16-bit kernel's arithmetic: the softmax
+weights P rounded to 16 bits (and the row sum taken over the rounded ones), and the output
+rounded to 16 bits several times on its way out (the share of each warp group, the CTA's
+P V warps splitting the tokens into 4 / (head_dim / 64) groups, and their 16-bit sums, in
+every split of a row and again in the merge of splits). Those
+roundings scale with the V range and grow as the softmax sharpens, like every 16-bit
+kernel's; over unit-range K and V it meets the project's tolerance against the FP32
+reference over the dequantized cache, and tests/gpu/test_xqa.py bounds it at other ranges.
+With `hopper_fp8=true` (on an SM 9.x device) it runs XQA's Hopper FP8 kernel instead,
+FlashInfer's own choice there: its GMMAs run in FP8, rounding Q and the softmax weights P to
+e4m3 too, which is faster and leaves that tolerance (tests/gpu/test_xqa.py bounds its error
+by e4m3's).
 
 What XQA refuses is refused here in one line (check_xqa_shape), before anything is built:
 16-bit queries only (float16, bfloat16), pages of 16, 32, 64 or 128 tokens, head_dim a

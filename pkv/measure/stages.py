@@ -58,10 +58,15 @@ def synthetic_trace(cfg: Config | dict, family: str, seed: int, **overrides) -> 
     return synthetic(SyntheticSpec(family, seed, **{**Config.of(cfg).traces[family].given(), **overrides}))
 
 
-def external_trace(cfg: Config | dict, path: str | Path) -> Trace:
+def external_trace(cfg: Config | dict, path: str | Path, stage: str = "external") -> Trace:
     """The request file loaded with the config's step length, column mapping (if any) and
-    recorded transform."""
-    c = Config.of(cfg).external
+    recorded transform: the prompts scaled as the `stage` replay scales them
+    (pkv.config.stages.EXTERNAL_REPLAYS)."""
+    cfg = Config.of(cfg)
+    c = cfg.external
+    scale, _ = c.replay(stage)
+    if scale is None:
+        raise ValueError(f"config: the external trace has no {stage} replay (external.stress_scale)")
     layout = None
     if c.columns is not None:
         try:
@@ -71,7 +76,7 @@ def external_trace(cfg: Config | dict, path: str | Path) -> Trace:
     elif c.time_unit is not None:
         raise ValueError("config: external.time_unit is the unit of external.columns.time; give external.columns")
     return load_trace(path, step_ms=c.step_ms, layout=layout,
-                      transform=Transform(c.prompt_scale, max_len=c.max_len, max_requests=c.max_requests))
+                      transform=Transform(scale, max_len=c.max_len, max_requests=c.max_requests))
 
 
 def build_cache(cfg: Config | dict, trace: Trace, shape: Shape, holes: float, seed: int,
@@ -297,17 +302,27 @@ def mlp_proxy(cfg: Config | dict, k: Constants, seed: int) -> Result:
 
 def external(cfg: Config | dict, k: Constants, trace: Path) -> Result:
     """The request file `trace` (config external.path) through the file-based trace path,
-    with its transform recorded."""
+    with its transform recorded: the headline replay."""
+    return _external_replay(cfg, k, trace, "external")
+
+
+def external_stress(cfg: Config | dict, k: Constants, trace: Path) -> Result:
+    """The same request file with its prompts multiplied by external.stress_scale: a stress test."""
+    return _external_replay(cfg, k, trace, "external_stress")
+
+
+def _external_replay(cfg: Config | dict, k: Constants, trace: Path, stage: str) -> Result:
     cfg = Config.of(cfg)
     c = cfg.external
-    trace = external_trace(cfg, trace)
+    trace = external_trace(cfg, trace, stage)
     shape = _shape(cfg)
     seed = cfg.seeds.ablation
-    job = Job("external", trace.name, "external", c.max_active, seed, shape.group)
+    job = Job(stage, trace.name, "external", c.max_active, seed, shape.group)
     op = c.operating_point
     frame = _run(cfg, job, trace, shape, _with_baselines(cfg, c.engines), k, point_key(op.family, op.max_active))
     # The trace's identity travels with its file: the report titles the table from it.
-    name, title = c.identity()
+    name, _ = c.identity()
+    _, title = c.replay(stage)
     return frame, _meta(trace, step_ms=c.step_ms, trace_name=name, trace_title=title,
                         trace_format=trace.meta["schema"])
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 from tabulate import tabulate
 
-from pkv.config.stages import external_identity
+from pkv.config.stages import EXTERNAL_REPLAYS, external_identity, external_scale, external_title
 from pkv.report.load import MissingStage, Raw, check_folder, load
 from pkv.report.tables import TABLES, Table, missing_note
 
@@ -45,7 +45,7 @@ def compare(run: Path, reference: Path) -> str:
              "Each table of this run beside the committed reference run's, row by row (ratio columns where the "
              "table has them, else every value column). A ratio's denominator is FlashInfer measured in the same "
              "run on the same GPU, so ratios compare across GPUs; absolute times do not.\n"]
-    traces = {}   # each side's external trace (name, title), where its config says
+    traces = {}   # each side's external section, where its config says
     try:
         cfg_ref = json.loads((reference / "config.json").read_text())
         cfg_run = json.loads((run / "config.json").read_text())
@@ -53,18 +53,24 @@ def compare(run: Path, reference: Path) -> str:
 
         diff = differences(cfg_ref, cfg_run)
         parts.append("Configs: identical.\n" if not diff else f"**Configs differ** in: {', '.join(diff)}.\n")
-        traces = {side: external_identity(c.get("external", {})) for side, c in (("reference", cfg_ref),
-                                                                                  ("this run", cfg_run))}
+        traces = {side: c.get("external", {}) for side, c in (("reference", cfg_ref), ("this run", cfg_run))}
     except (OSError, ValueError):
         parts.append("Configs: not compared (a folder has no config.json).\n")
     for name, table in TABLES.items():
         if table.build is None:   # a benchmark's own table: no row keys to join on
             continue
-        if name == "external" and traces:
-            parts.append(f"## {traces['this run'][1]}\n")
-            if traces["this run"][0] != traces["reference"][0]:   # two request files: no rows to pair
-                parts.append(f"Not compared: this run replays the external trace {traces['this run'][0]!r}, "
-                             f"the reference run {traces['reference'][0]!r}.\n")
+        if name in EXTERNAL_REPLAYS and traces:
+            mine = traces["this run"]
+            ours, theirs = (external_identity(traces[side])[0] for side in ("this run", "reference"))
+            parts.append(f"## {external_title(mine, name) if external_scale(mine, name) else table.title}\n")
+            if ours != theirs:   # two request files: no rows to pair
+                parts.append(f"Not compared: this run replays the external trace {ours!r}, the reference run "
+                             f"{theirs!r}.\n")
+                continue
+            scales = [external_scale(traces[side], name) for side in ("this run", "reference")]
+            if None not in scales and scales[0] != scales[1]:   # one file, other lengths: no rows to pair
+                parts.append(f"Not compared: this run scales the prompts by {scales[0]:g}, the reference run by "
+                             f"{scales[1]:g}.\n")
                 continue
         else:
             parts.append(f"## {table.title}\n")

@@ -26,7 +26,7 @@ class TableSpec:
     render: str = ""               # a pkv.report.artifacts function (root -> bytes) instead of a frame builder
     profiles: tuple[str, ...] = ("paper", "smoke")   # the profiles that measure its stages
     in_all: bool | str = True      # part of `snakemake all`; False: a named target only; a config
-                                   # section's name: in `all` when the run's config has that section
+                                   # section's name (or section.key): in `all` when the run's config has it
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,12 @@ TABLE_SPECS = {
     # Its title is the trace's own (the Parquet's trace_title, pkv.report.tables.heading);
     # this one is for files measured before traces were named.
     "external": TableSpec(EXTERNAL_TITLE, "Ratios over the faster FlashInfer variant.", ("external",), ("Engine",)),
+    # The same trace, prompts multiplied by external.stress_scale (pkv.config.stages.EXTERNAL_REPLAYS);
+    # titled from its Parquet too, labelled a stress test there.
+    "external_stress": TableSpec(f"{EXTERNAL_TITLE}: stress test",
+                                 "A stress test, not the trace as recorded: every prompt multiplied by "
+                                 "external.stress_scale. Ratios over the faster FlashInfer variant.",
+                                 ("external_stress",), ("Engine",), in_all="external.stress_scale"),
     "kernels": TableSpec("Decode kernels, device time",
                          "pkv-graph against FlashInfer's CUDA-core, tensor-core and persistent decode over batch x "
                          "context, ragged mixes and GQA group x head_dim; the table also states the kernel issue's "
@@ -151,7 +157,19 @@ PER_SEED_STAGES = ("serve", "b4_sweep", "mlp_proxy")
 
 def in_all(spec: TableSpec | FigureSpec, profile: str, config: dict | None = None) -> bool:
     """Whether `snakemake all` of `profile` (its resolved `config`) makes this table or figure.
-    An optional stage's (the model step's) is in `all` when the config has its section."""
+    An optional stage's (the model step's, the external stress test's) is in `all` when the
+    config has its section or key."""
     if isinstance(spec.in_all, str):
-        return profile in spec.profiles and config is not None and config.get(spec.in_all) is not None
+        return profile in spec.profiles and config is not None and configured(spec, config)
     return spec.in_all and profile in spec.profiles
+
+
+def configured(spec: TableSpec | FigureSpec, config: dict) -> bool:
+    """Whether `config` has what an optional stage's table or figure needs (its in_all: a section,
+    or section.key); True for the others."""
+    if not isinstance(spec.in_all, str):
+        return True
+    node = config
+    for key in spec.in_all.split("."):
+        node = node.get(key) if isinstance(node, dict) else None
+    return node is not None

@@ -16,6 +16,7 @@ built (all or nothing). A seed missing from a per-seed stage is flagged in the t
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -25,6 +26,7 @@ import pandas as pd
 from tabulate import tabulate
 
 from pkv.config.resolve import SMOKE_BANNER
+from pkv.config.stages import EXTERNAL_REPLAYS
 from pkv.core.io import atomic_write_many
 from pkv.core.units import K
 from pkv.engines import table
@@ -46,7 +48,7 @@ from pkv.report.ratios import (
     trace_label,
     trace_order,
 )
-from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS
+from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, configured
 
 # ---------------------------------------------------------------- tables
 
@@ -64,7 +66,7 @@ class Table:
     required: bool = True
     render: str = ""
     profiles: tuple[str, ...] = ("paper", "smoke")
-    in_all: bool = True
+    in_all: bool | str = True
 
 
 def t_serving(raw: Raw) -> pd.DataFrame:
@@ -299,15 +301,15 @@ def status(wall_ratio: pd.Series, routes: pd.Series) -> str:
 BUILDERS = {"isolated": t_isolated, "serving": t_serving, "mlp_proxy": t_mlp_proxy, "counters": t_counters,
             "nsight": t_nsight, "coverage": t_coverage, "split_sensitivity": t_split_sensitivity,
             "gqa_sweep": t_gqa_sweep, "b4_sweep": t_b4_sweep, "raggedness": t_raggedness, "ablations": t_ablations,
-            "external": t_external}
+            "external": t_external, "external_stress": t_external}
 TABLES = {name: Table(**asdict(spec), build=BUILDERS.get(name)) for name, spec in TABLE_SPECS.items()}
 
 
 def heading(name: str, table: Table, raw: Raw) -> tuple[str, str]:
-    """(title, caption) of a table: the spec's, but the external trace's come from its
-    Parquet (trace_name, trace_title, trace_format: pkv.measure.stages.external); a file
+    """(title, caption) of a table: the spec's, but the external trace's replays' come from
+    their Parquet (trace_name, trace_title, trace_format: pkv.measure.stages.external); a file
     from before traces were named carries none and keeps the spec's."""
-    if name != "external":
+    if name not in EXTERNAL_REPLAYS:
         return table.title, table.caption
     named = [m for m in raw.metas if "trace_title" in m]
     titles = sorted({m["trace_title"] for m in named})
@@ -316,7 +318,9 @@ def heading(name: str, table: Table, raw: Raw) -> tuple[str, str]:
     if not titles:
         return table.title, table.caption
     m = named[0]
-    return titles[0], f"Trace {m['trace_name']} ({m['trace_format']} request file). {table.caption}"
+    scale = json.loads(m.get("trace_meta", "{}")).get("transform", {}).get("prompt_scale")
+    recorded = ", prompts as recorded" if scale == 1 else ""
+    return titles[0], f"Trace {m['trace_name']} ({m['trace_format']} request file{recorded}). {table.caption}"
 
 
 def render(name: str, table: Table, raw: Raw, fmt: str) -> str:
@@ -335,9 +339,11 @@ def render(name: str, table: Table, raw: Raw, fmt: str) -> str:
 
 
 def targets(root: Path) -> list[Path]:
-    """Every table and figure of the folder's profile (its frozen config's; any, without one)."""
+    """Every table and figure of the folder's profile (its frozen config's; any, without one),
+    an optional stage's where that config has it (pkv.report.spec.configured)."""
     cfg = frozen(root)[0] if (root / "config.json").exists() else None
-    mine = (lambda spec: cfg["profile"] in spec.profiles) if cfg and "profile" in cfg else (lambda spec: True)
+    mine = (lambda spec: cfg["profile"] in spec.profiles and configured(spec, cfg)) if cfg and "profile" in cfg \
+        else (lambda spec: True)
     out = [root / "tables" / f"{n}.md" for n, t in TABLES.items() if mine(t)]
     out += [root / "tables" / f"{n}.tex" for n, t in TABLES.items() if t.latex and mine(t)]
     out += [root / "figures" / f"{n}.png" for n, f in FIGURE_SPECS.items() if mine(f)]

@@ -18,7 +18,7 @@ from pkv.config.resolve import (REFERENCE_ROOT, SMOKE_BANNER, check_config, coer
 from pkv.config.workflow import check_frozen, check_runnable, command_line_overrides, lock_folder, writes_results
 from pkv.config.gpus import pool as gpu_pool
 from pkv.config.jobs import stage_files, stage_jobs, stage_paths, stage_pattern
-from pkv.config.stages import EXTERNAL_TITLE, STAGES, external_identity
+from pkv.config.stages import EXTERNAL_REPLAYS, EXTERNAL_TITLE, STAGES, external_title
 from pkv.config.typed import Config
 from pkv.core.families import FAMILIES
 from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
@@ -118,8 +118,8 @@ CAPTION = "../report/caption.rst"   # renders a report rule's `caption` param (w
 
 
 def table_title(name, table):
-    """A table's title; the external trace's is the config's trace's (pkv.config.stages.external_identity)."""
-    return external_identity(C["external"])[1] if name == "external" else table.title
+    """A table's title; the external trace's replays' are the config's trace's (pkv.config.stages.external_title)."""
+    return external_title(C["external"], name) if name in EXTERNAL_REPLAYS else table.title
 
 
 def caption_title(name, table):
