@@ -1,10 +1,12 @@
-"""The lines under a stage table: what ran (engines, the router's routes), missing seeds,
-and the provenance of its Parquet files."""
+"""The lines around a stage table: an external trace's title and caption, what ran (engines, the
+router's routes), missing seeds, and the provenance of its Parquet files."""
 
 from __future__ import annotations
 
+import json
+
 from pkv.engines import table
-from pkv.report.load import Raw
+from pkv.report.load import Raw, ReportError
 
 PROVENANCE = ("gpu", "torch", "flashinfer", "cuda", "config_hash", "constants_hash", "git_commit")
 
@@ -43,3 +45,18 @@ def ran_line(raw: Raw) -> str:
         more = f" and {len(share) - 6} more" if len(share) > 6 else ""
         line += f" Routes the router took (share of its steps): {', '.join(shown)}{more}."
     return line + "\n\n"
+
+
+def trace_heading(raw: Raw, caption: str) -> tuple[str, str] | None:
+    """(title, caption) of an external trace's replay, from its Parquet (trace_name, trace_title,
+    trace_format: pkv.measure.stages.external); None for a file from before traces were named."""
+    named = [m for m in raw.metas if "trace_title" in m]
+    titles = sorted({m["trace_title"] for m in named})
+    if len(titles) > 1:
+        raise ReportError(f"the external stage's files name several traces ({'; '.join(titles)}); one run, one trace")
+    if not titles:
+        return None
+    m = named[0]
+    scale = json.loads(m.get("trace_meta", "{}")).get("transform", {}).get("prompt_scale")
+    recorded = ", prompts as recorded" if scale == 1 else ""
+    return titles[0], f"Trace {m['trace_name']} ({m['trace_format']} request file{recorded}). {caption}"

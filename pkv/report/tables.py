@@ -16,7 +16,6 @@ built (all or nothing). A seed missing from a per-seed stage is flagged in the t
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -34,7 +33,7 @@ from pkv.measure.nsight import table5
 
 # What the report reads and refuses (names re-exported for the modules that import them here).
 from pkv.report.load import MissingStage, Raw, ReportError, check_folder, frozen, load, seeds_cell  # noqa: F401
-from pkv.report.notes import missing_note, provenance_line, ran_line  # noqa: F401 (compare reads missing_note here)
+from pkv.report.notes import missing_note, provenance_line, ran_line, trace_heading  # noqa: F401 (compare reads missing_note here)
 from pkv.report.ratios import (
     base_path,
     baselines,
@@ -306,21 +305,9 @@ TABLES = {name: Table(**asdict(spec), build=BUILDERS.get(name)) for name, spec i
 
 
 def heading(name: str, table: Table, raw: Raw) -> tuple[str, str]:
-    """(title, caption) of a table: the spec's, but the external trace's replays' come from
-    their Parquet (trace_name, trace_title, trace_format: pkv.measure.stages.external); a file
-    from before traces were named carries none and keeps the spec's."""
-    if name not in EXTERNAL_REPLAYS:
-        return table.title, table.caption
-    named = [m for m in raw.metas if "trace_title" in m]
-    titles = sorted({m["trace_title"] for m in named})
-    if len(titles) > 1:
-        raise ReportError(f"the external stage's files name several traces ({'; '.join(titles)}); one run, one trace")
-    if not titles:
-        return table.title, table.caption
-    m = named[0]
-    scale = json.loads(m.get("trace_meta", "{}")).get("transform", {}).get("prompt_scale")
-    recorded = ", prompts as recorded" if scale == 1 else ""
-    return titles[0], f"Trace {m['trace_name']} ({m['trace_format']} request file{recorded}). {table.caption}"
+    """(title, caption) of a table: the spec's, or an external replay's own (pkv.report.notes)."""
+    named = trace_heading(raw, table.caption) if name in EXTERNAL_REPLAYS else None
+    return named or (table.title, table.caption)
 
 
 def render(name: str, table: Table, raw: Raw, fmt: str) -> str:
