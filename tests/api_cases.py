@@ -35,7 +35,7 @@ def in_layout(kv, layout: str, pair: bool):
 
 
 # The window / sinks / q_len grid both feature tests run (tests/test_features.py on the CPU oracle,
-# tests/gpu/test_features.py on the kernel): (name, lens, hq, hkv, d, page, q_len, window_left,
+# tests/gpu/test_features_gpu.py on the kernel): (name, lens, hq, hkv, d, page, q_len, window_left,
 # sinks, soft cap). Odd lengths, a padding row, windows larger and smaller than the row and
 # starting mid-page and mid-tile, q_len 1..8 with ragged rows, G x q_len over one pass's rows
 # (several query blocks), sinks with and without a soft cap. `scale` multiplies the long rows

@@ -2,7 +2,7 @@
 reference against a plain per-token loop, the device rule's oracle (pkv.plan.device_schedule +
 run_schedule) and the public API against the reference on the feature grid (api_cases), the
 rule's pieces covering a windowed row's window only, the cost model counting what the rule
-cuts, and the refusals. The GPU twin is tests/gpu/test_features.py.
+cuts, and the refusals. The GPU twin is tests/gpu/test_features_gpu.py.
 """
 
 from __future__ import annotations
