@@ -103,7 +103,7 @@ def build_runners(names: list[str], model, caches: list[PagedCache], xs, buckets
                   tag: str = "") -> dict[str, Runner]:
     """The runners `names` (rows of pkv.engines.table.RUNNERS), each made by its row's class for
     steps of `q_len` query tokens a row. A runner that refuses the model step (Refused: a feature
-    it lacks) is left out and named in `refused` (as name + tag) where given, else raises."""
+    it lacks) is left out and named in `refused` (as model/name + tag) where given, else raises."""
     unknown = [n for n in names if n not in RUNNERS]
     if unknown:
         raise ValueError(f"unknown model-step engine {unknown[0]!r}; choose from {runners()}")
@@ -120,5 +120,5 @@ def build_runners(names: list[str], model, caches: list[PagedCache], xs, buckets
         except Refused as e:
             if refused is None:
                 raise
-            refused.setdefault(f"{name}{tag}", str(e))
+            refused.setdefault(f"{model.shape.name}/{name}{tag}", str(e))
     return out
