@@ -16,6 +16,10 @@ The runners a config names are the rows of pkv.engines.table.RUNNERS, each namin
   prepared once per step; every layer runs that plan on its own cache
   (`run(q, plan, caches[i])`), layers eager.
 - `ReferenceRunner`: the FP32 attention of each layer over its own cache (CPU baseline).
+
+A layer's attention gets its window and sinks (ModelShape.window_left, Layer.sinks) and the
+step's q_len from every runner that declares them (`Runner.features`); a runner built for a
+model step that needs one it lacks raises `Refused` in one line.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ the whole step one CUDA graph per bucket), `flashinfer-graph` (plan() every step
 `flashinfer-eager` (the correctness baseline), `adaptive` (the router, layers eager); on a
 CPU (smoke) `pkv-graph` runs its CPU oracle through the same API and `reference` is FP32.
 
+Windowed and sink models (ModelShape.window, global_every, sinks) and the speculative step
+(model_step.q_lens: each q_len > 1 a pass whose rows carry q_len query tokens): every runner
+passes each layer's window and sinks and the pass's q_len; one that cannot is refused when
+built and named in `dropped` (docs/graph-decode.md, "The model-level benchmark").
+
 KV dtypes (model_step.kv_dtypes): the 16-bit cache first, then (`fp8`) the same values in
 e4m3 with tensor scales, per layer. An FP8 row's rel_err is against the 16-bit
 baseline's output on the same input: the accuracy FP8 costs.
