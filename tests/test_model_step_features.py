@@ -231,8 +231,9 @@ def test_padding_rows_hold_q_len_tokens():
 
 
 def test_q_lens_default_to_decode_and_are_checked():
-    assert mp.settings(smoke_cfg()).q_lens == (1,)              # absent: decode only (the runs so far)
-    assert "q_lens" not in SMOKE["model_step"]
+    absent = copy.deepcopy(SMOKE)
+    absent["model_step"].pop("q_lens", None)
+    assert Config.from_dict(absent).model_step.q_lens == (1,)    # absent: decode only (the runs so far)
     assert mp.settings(smoke_cfg(q_lens=[1, 4])).q_lens == (1, 4)
     with pytest.raises(ConfigError, match="decode \\(1\\) comes first"):
         smoke_plan(q_lens=[4, 1])
@@ -240,7 +241,7 @@ def test_q_lens_default_to_decode_and_are_checked():
         cfg = {**copy.deepcopy(SMOKE), "model_step": {**SMOKE["model_step"], "q_lens": bad}}
         with pytest.raises(ValueError, match="model_step.q_lens"):
             validate_config(cfg, load_schema(), "config")
-    assert Config.from_dict(SMOKE).to_dict()["model_step"]["q_lens"] == [1]
+    assert Config.from_dict(absent).to_dict()["model_step"]["q_lens"] == [1]
 
 
 def test_the_report_labels_a_speculative_steps_rows():
