@@ -447,7 +447,8 @@ def synthetic_frame(kv: bool = False) -> pd.DataFrame:
             for engine, (wall, dev, pipe) in times.items():
                 base = {c: None for c in ms.COLUMNS}
                 base.update(stage="model_step", model="llama-1b", layers=16, hidden=2048, head_dim=64,
-                            num_qo_heads=32, num_kv_heads=8, mlp=8192, dtype="float16", kv_dtype=kv_dtype,
+                            num_qo_heads=32, num_kv_heads=8, mlp=8192, window=0, global_every=0, sinks=False,
+                            q_len=1, dtype="float16", kv_dtype=kv_dtype,
                             kv_layers=16, trace=f"bimodal-{seed}", family="bimodal", seed=seed, max_active=8,
                             bucket=8, engine=engine, route=engine,
                             launch="eager" if engine.endswith("eager") else "graph")

@@ -52,7 +52,8 @@ def _mismatches(cls, node: dict, where: str) -> list[str]:
         sub = _resolve(props[name])
         # A default is written once, in the schema: a field defaults to it, or to None (absent = off).
         default = fields[name].default
-        if "default" in sub and default != sub["default"]:
+        want = tuple(sub["default"]) if isinstance(sub.get("default"), list) else sub.get("default")
+        if "default" in sub and default != want:   # a list default is the field's tuple
             out.append(f"{where}.{name}: the schema's default {sub['default']!r}, the field's {default!r}")
         if "default" not in sub and default not in (dataclasses.MISSING, None):
             out.append(f"{where}.{name}: a default {default!r} in {cls.__name__}, none in the schema")

@@ -256,6 +256,8 @@ class ModelStep:
     engines: tuple[str, ...]
     repeats: int
     kv_dtypes: tuple[str, ...]
+    # query tokens a row, one pass each: 1 decodes, 2..8 is the speculative step (drafts verified)
+    q_lens: tuple[int, ...] = tuple(schema_default("sections.model_step", "q_lens"))
 
 
 @dataclass(frozen=True)

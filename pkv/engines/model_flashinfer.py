@@ -15,21 +15,22 @@ from pkv.core.paging import FlashInferView, PageAssignment, flashinfer_view
 from pkv.core.shape import Shape
 from pkv.engines.common import pdl_supported
 from pkv.engines.flashinfer import workspace as new_workspace
-from pkv.engines.model import GraphRunner, Runner
+from pkv.engines.model import GraphRunner, Refused, Runner
 from pkv.engines.table import the
 
 
-def padded_flashinfer_view(assignment: PageAssignment, step: StepState, rows: int, pad_page: int = 0) -> FlashInferView:
-    """FlashInfer's view of the step's rows, then `rows - B` padding rows of one token on `pad_page`."""
+def padded_flashinfer_view(assignment: PageAssignment, step: StepState, rows: int, pad_page: int = 0,
+                           pad_tokens: int = 1) -> FlashInferView:
+    """FlashInfer's view of the step's rows, then `rows - B` padding rows of `pad_tokens` tokens
+    (a speculative step's q_len) on `pad_page`."""
     view = flashinfer_view(assignment, step.request_ids, step.seq_lens)
     pad = rows - step.active
     if pad < 0:
         raise ValueError(f"a step of {step.active} rows cannot be padded to {rows}")
     indptr = np.concatenate([view.indptr, view.indptr[-1] + np.arange(1, pad + 1, dtype=np.int32)])
     indices = np.concatenate([view.indices, np.full(pad, pad_page, dtype=np.int32)])
-    last = np.concatenate([view.last_page_len, np.ones(pad, dtype=np.int32)])
+    last = np.concatenate([view.last_page_len, np.full(pad, pad_tokens, dtype=np.int32)])
     return FlashInferView(indptr.astype(np.int32), indices.astype(np.int32), last.astype(np.int32))
-
 
 
 class FlashInferStaging:
@@ -68,11 +69,11 @@ class FlashInferStaging:
         self.turn ^= 1
 
 
-def _plan(wrapper, staging: FlashInferStaging, view: FlashInferView, s: Shape) -> None:
+def _plan(wrapper, staging: FlashInferStaging, view: FlashInferView, s: Shape, window_left: int, q_len: int) -> None:
     indptr, indices, last = staging.load(view)
     from pkv.engines.flashinfer import plan
 
-    plan(wrapper, s, indptr, indices, last)
+    plan(wrapper, s, indptr, indices, last, window_left=window_left, q_len=q_len)
     staging.release()
 
 
@@ -84,77 +85,105 @@ def _resolved(wrapper) -> str:
         return ""
 
 
+# A FlashInfer decode wrapper's plan() holds one window_left. A model whose layers differ (a
+# sliding window on some, full context on others) gets one wrapper per distinct window (per
+# bucket for the graph path), each with its own workspace and staging (two plans must not share
+# a schedule buffer), all planned every step: what SGLang does for its sliding and full layers.
+# Each layer runs the wrapper of its window with its own sinks; q_len goes to every plan.
+
+
 class FlashInferGraphRunner(GraphRunner):
     takes_buckets = True
+    features = ("window", "sinks", "q_len")
 
-    def __init__(self, model, caches, xs, buckets):
+    def __init__(self, model, caches, xs, buckets, q_len: int = 1):
         import flashinfer
 
-        super().__init__(model, caches, xs)
+        super().__init__(model, caches, xs, q_len)
         dev, pages = self.cache.device, self.cache.assignment.num_pages + max(buckets)
-        workspace = new_workspace(dev)   # one per runner: its per-bucket wrappers never run concurrently
-        self.wrappers = {}
-        for b in buckets:
-            indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
-            last = torch.zeros(b, dtype=torch.int32, device=dev)
-            indices = torch.zeros(pages, dtype=torch.int32, device=dev)
-            self.wrappers[b] = flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
-                workspace, indptr, indices, last, kv_layout="HND", use_tensor_cores=True)
-        self.staging = FlashInferStaging(dev, max(buckets), pages)
+        self.distinct = sorted(set(self.windows))
+        self.wrappers: dict[int, dict[int, object]] = {b: {} for b in buckets}
+        for w in self.distinct:
+            workspace = new_workspace(dev)   # per window: its per-bucket wrappers never run concurrently
+            for b in buckets:
+                indptr = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+                last = torch.zeros(b, dtype=torch.int32, device=dev)
+                indices = torch.zeros(pages, dtype=torch.int32, device=dev)
+                self.wrappers[b][w] = flashinfer.CUDAGraphBatchDecodeWithPagedKVCacheWrapper(
+                    workspace, indptr, indices, last, kv_layout="HND", use_tensor_cores=True)
+        self.staging = {w: FlashInferStaging(dev, max(buckets), pages) for w in self.distinct}
         self.pdl = pdl_supported(dev)   # FlashInfer's decode launches with PDL where the GPU has it
 
     def prepare(self, step, bucket):
-        wrapper = self.wrappers[bucket]
-        _plan(wrapper, self.staging, padded_flashinfer_view(self.cache.assignment, step, bucket), self.cache.shape)
+        view = padded_flashinfer_view(self.cache.assignment, step, bucket, pad_tokens=self.q_len)
+        for w, wrapper in self.wrappers[bucket].items():
+            _plan(wrapper, self.staging[w], view, self.cache.shape, w, self.q_len)
         self.route = f"{self.name}/{_resolved(wrapper)}".rstrip("/")
 
     def attend(self, bucket):
-        wrapper, kvs, scales, pdl = self.wrappers[bucket], [c.kv for c in self.caches], self.scales, self.pdl
-        return lambda i, q: wrapper.run(q, kvs[i], **scales[i], enable_pdl=pdl)
+        wrappers, kvs, scales, pdl = self.wrappers[bucket], [c.kv for c in self.caches], self.scales, self.pdl
+        windows, sinks = self.windows, [{} if t is None else {"sinks": t} for t in self.sinks]
+        return lambda i, q: wrappers[windows[i]].run(q, kvs[i], **scales[i], **sinks[i], enable_pdl=pdl)
 
 
 class FlashInferEagerRunner(Runner):
     takes_buckets = True
+    features = ("window", "sinks", "q_len")
 
-    def __init__(self, model, caches, xs, buckets):
+    def __init__(self, model, caches, xs, buckets, q_len: int = 1):
         import flashinfer
 
-        super().__init__(model, caches, xs)
-        self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(self.cache.device), "HND",
-                                                                     use_tensor_cores=True)
-        self.staging = FlashInferStaging(self.cache.device, max(buckets), self.cache.assignment.num_pages)
-        self.pdl = pdl_supported(self.cache.device)
+        super().__init__(model, caches, xs, q_len)
+        dev = self.cache.device
+        self.wrappers = {w: flashinfer.BatchDecodeWithPagedKVCacheWrapper(new_workspace(dev), "HND",
+                                                                          use_tensor_cores=True)
+                         for w in sorted(set(self.windows))}
+        self.staging = {w: FlashInferStaging(dev, max(buckets), self.cache.assignment.num_pages)
+                        for w in self.wrappers}
+        self.pdl = pdl_supported(dev)
 
     def prepare(self, step, bucket):
         view = flashinfer_view(self.cache.assignment, step.request_ids, step.seq_lens)
-        _plan(self.wrapper, self.staging, view, self.cache.shape)
-        self.route = f"{self.name}/{_resolved(self.wrapper)}".rstrip("/")
+        for w, wrapper in self.wrappers.items():
+            _plan(wrapper, self.staging[w], view, self.cache.shape, w, self.q_len)
+        self.route = f"{self.name}/{_resolved(wrapper)}".rstrip("/")
 
     def launch(self, step, bucket):
-        kvs, scales = [c.kv for c in self.caches], self.scales
-        return self.model.forward(self.xs[bucket][:step.active],
-                                  lambda i, q: self.wrapper.run(q, kvs[i], **scales[i], enable_pdl=self.pdl))
+        kvs, scales, windows = [c.kv for c in self.caches], self.scales, self.windows
+        sinks = [{} if t is None else {"sinks": t} for t in self.sinks]
+        return self.model.forward(self.xs[bucket][:self.tokens(step)],
+                                  lambda i, q: self.wrappers[windows[i]].run(q, kvs[i], **scales[i], **sinks[i],
+                                                                             enable_pdl=self.pdl))
 
 
 class XqaGraphRunner(GraphRunner):
     """FlashInfer's plan-free XQA decode, the N-layer step captured once per bucket: a step is
     the engine's prepare() at the bucket's rows (one pinned upload of lengths and request ids,
     one gather of block-table rows into fixed addresses, shared by every layer) and one replay.
-    No plan() on the host."""
+    No plan() on the host. XQA's window is its compiled module's and the engine's: one engine
+    per distinct window (each prepared every step), each layer run with its own sinks."""
 
     takes_buckets = True
+    features = ("window", "sinks", "q_len")
 
-    def __init__(self, model, caches, xs, buckets):
-        from pkv.engines.xqa import XqaEngine
+    def __init__(self, model, caches, xs, buckets, q_len: int = 1):
+        from pkv.engines.xqa import XqaEngine, check_xqa_shape
 
-        super().__init__(model, caches, xs)
-        self.engine = XqaEngine(self.cache, max_rows=max(buckets), validate=False)
-        self.engine.name = the(kind="xqa")   # its steps' plans carry the engine row's name
-        self.plans: dict[int, object] = {}
+        super().__init__(model, caches, xs, q_len)
+        try:
+            check_xqa_shape(self.cache.shape, self.cache.scales)
+        except ValueError as e:
+            raise Refused(f"{self.name}: {e}: not run") from None
+        first = {w: self.sinks[self.windows.index(w)] for w in sorted(set(self.windows))}
+        self.engines = {w: XqaEngine(self.cache, max_rows=max(buckets), validate=False, window_left=w,
+                                     q_len=q_len, sinks=t) for w, t in first.items()}
+        for engine in self.engines.values():
+            engine.name = the(kind="xqa")   # its steps' plans carry the engine row's name
+        self.plans: dict[int, dict[int, object]] = {}
 
     def prepare(self, step, bucket):
-        self.plans[bucket] = self.engine.prepare(step, rows=bucket)
+        self.plans[bucket] = {w: e.prepare(step, rows=bucket) for w, e in self.engines.items()}
 
     def attend(self, bucket):
-        engine, plan, caches = self.engine, self.plans[bucket], self.caches
-        return lambda i, q: engine.run(q, plan, caches[i])
+        engines, plans, caches, windows, sinks = self.engines, self.plans[bucket], self.caches, self.windows, self.sinks
+        return lambda i, q: engines[windows[i]].run(q, plans[windows[i]], caches[i], sinks=sinks[i])

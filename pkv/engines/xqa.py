@@ -195,7 +195,9 @@ class XqaEngine(Engine):
             hit = self._kvs[id(kv)] = (kv, kv[:, 0].transpose(1, 2), kv[:, 1].transpose(1, 2))
         return hit[1], hit[2]
 
-    def run(self, q: torch.Tensor, plan: XqaPlan, layer: PagedCache | None = None) -> torch.Tensor:
+    def run(self, q: torch.Tensor, plan: XqaPlan, layer: PagedCache | None = None, sinks=None) -> torch.Tensor:
+        """One layer's decode; `sinks` (float32 [H_qo]) a layer's own, for an engine built with sinks
+        (a model step's layers each have theirs; the engine's when None)."""
         ql = self.q_len
         if q.shape[0] != plan.rows * ql:
             raise ValueError(f"flashinfer-xqa: q has {q.shape[0]} rows, the plan {plan.rows} x q_len {ql}")
@@ -206,12 +208,15 @@ class XqaEngine(Engine):
         lens, _, table = self._rows(plan.rows)
         q_scale, kv_scale = fp8_scales(c.scales)       # FP8: the layer's scales, read per call
         k, v = self._kv(c.kv)
+        if sinks is not None and self.sinks is None:
+            raise ValueError("flashinfer-xqa: sinks given to run() of an engine built without sinks")
+        layer_sinks = self.sinks if sinks is None else sinks.reshape(s.num_kv_heads, s.group)
         out = torch.empty_like(q)
         # [rows, beam 1, (q_len,) Hq, D], as trtllm_batch_decode_with_kv_cache shapes them
         shaped = (plan.rows, 1, *((ql,) if ql > 1 else ()), s.num_qo_heads, s.head_dim)
         mask = self.mask[:plan.rows] if ql > 1 else None
         self._op(self._fp8_sm90, self._sms, s.num_kv_heads, self.sliding_win, q_scale, out.view(shaped), 1.0,
-                 q.view(shaped), self.sinks, k, v, None, None, table, self.max_seq_len, lens, plan.rows, kv_scale,
+                 q.view(shaped), layer_sinks, k, v, None, None, table, self.max_seq_len, lens, plan.rows, kv_scale,
                  self._semaphores, self._scratch, self._pdl, ql, None, mask)
         return out
 

@@ -44,6 +44,7 @@ class ModelStepPlan:
     repeats: int
     kv_dtypes: list[str]
     constants: object = None
+    q_lens: tuple[int, ...] = (1,)   # query tokens a row: 1 decodes, > 1 is the speculative step
     # The traces whose pages size a shape to the device (`fitted`): every file of a stage
     # then runs the same layers, however its own trace's pages fall. Default: `traces`.
     sizing: list[TraceJob] | None = None
@@ -66,9 +67,12 @@ def build_plan(cfg: Config, traces: list[TraceJob], constants=None,
     if s.kv_dtypes[0] != "auto":
         raise ConfigError("model_step.kv_dtypes: the 16-bit cache ('auto') comes first (FP8's accuracy is "
                           "measured against it)")
+    if s.q_lens[0] != 1:
+        raise ConfigError("model_step.q_lens: decode (1) comes first (the speculative steps follow it)")
     return ModelStepPlan(cfg, [MODEL_SHAPES[n] for n in s.shapes], sorted(s.buckets), traces, s.steps,
                          list(s.engines), s.repeats, list(s.kv_dtypes),
-                         constants if any(e in runners("routed") for e in s.engines) else None, sizing)
+                         constants if any(e in runners("routed") for e in s.engines) else None, tuple(s.q_lens),
+                         sizing)
 
 
 # ---------------------------------------------------------------- buckets and steps

@@ -22,6 +22,11 @@ the whole step one CUDA graph per bucket), `flashinfer-graph` (plan() every step
 `flashinfer-eager` (the correctness baseline), `adaptive` (the router, layers eager); on a
 CPU (smoke) `pkv-graph` runs its CPU oracle through the same API and `reference` is FP32.
 
+Windowed and sink models (ModelShape.window, global_every, sinks) and the speculative step
+(model_step.q_lens: each q_len > 1 a pass whose rows carry q_len query tokens): every runner
+passes each layer's window and sinks and the pass's q_len; one that cannot is refused when
+built and named in `dropped` (docs/graph-decode.md, "The model-level benchmark").
+
 KV dtypes (model_step.kv_dtypes): the 16-bit cache first, then (`fp8`) the same values in
 e4m3 with tensor scales, per layer. An FP8 row's rel_err is against the 16-bit
 baseline's output on the same input: the accuracy FP8 costs.
@@ -77,7 +82,8 @@ FP8_TOLERANCE = 0.1           # an FP8 row against the 16-bit baseline: catches 
 
 COLUMNS = {
     "stage": "string", "model": "string", "layers": "int32", "hidden": "int32", "head_dim": "int32",
-    "num_qo_heads": "int32", "num_kv_heads": "int32", "mlp": "int32", "dtype": "string", "kv_dtype": "string",
+    "num_qo_heads": "int32", "num_kv_heads": "int32", "mlp": "int32", "window": "int32", "global_every": "int32",
+    "sinks": "bool", "q_len": "int32", "dtype": "string", "kv_dtype": "string",
     "kv_layers": "int32", "trace": "string", "family": "string", "seed": "int64", "max_active": "int32",
     "bucket": "int32", "engine": "string", "route": "string", "launch": "string", "kind": "string",
     "step": "int32", "active": "int32", "total_tokens": "int64", "max_len": "int32", "steps": "int32",
@@ -105,9 +111,10 @@ def errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
 
 def measure_job(plan: ModelStepPlan, model: DecoderModel, caches: list[PagedCache], job: TraceJob, max_active: int,
                 steps: list[StepState], runners: dict[str, Runner], xs: dict[int, torch.Tensor], clock: StepClock,
-                refs: dict) -> list[dict]:
-    """Rows of COLUMNS: one per (step, engine), then one pipelined row per engine. `refs` holds
-    the 16-bit baseline's outputs by (max_active, step): written on the 16-bit cache, read on FP8."""
+                refs: dict, q_len: int = 1) -> list[dict]:
+    """Rows of COLUMNS: one per (step, engine), then one pipelined row per engine; a step's rows
+    carry q_len query tokens each (xs[b]: b x q_len). `refs` holds the 16-bit baseline's outputs
+    by (max_active, step, q_len): written on the 16-bit cache, read on FP8."""
     ms, s = model.shape, caches[0].shape
     labels = list(runners)
     fp8 = s.fp8
@@ -116,22 +123,23 @@ def measure_job(plan: ModelStepPlan, model: DecoderModel, caches: list[PagedCach
     buckets = [bucket_of(st.active, plan.buckets) for st in steps]
     base = {"stage": "model_step", "model": ms.name, "layers": ms.layers, "hidden": ms.hidden,
             "head_dim": ms.head_dim, "num_qo_heads": ms.num_qo_heads, "num_kv_heads": ms.num_kv_heads,
-            "mlp": ms.mlp, "dtype": s.dtype, "kv_dtype": s.kv_dtype, "kv_layers": len(caches), "trace": job.name,
+            "mlp": ms.mlp, "window": ms.window, "global_every": ms.global_every, "sinks": ms.sinks,
+            "q_len": q_len, "dtype": s.dtype, "kv_dtype": s.kv_dtype, "kv_layers": len(caches), "trace": job.name,
             "family": job.family, "seed": job.seed, "max_active": max_active}
     rows = []
     for i, (step, bucket) in enumerate(zip(steps, buckets)):
-        x = step_input(step, ms.hidden, job.seed, s.torch_dtype, caches[0].device)
-        xs[bucket][:step.active].copy_(x)
-        xs[bucket][step.active:].zero_()
+        n = step.active * q_len
+        xs[bucket][:n].copy_(step_input(step, ms.hidden, job.seed, s.torch_dtype, caches[0].device, q_len))
+        xs[bucket][n:].zero_()
         order = labels[i % len(labels):] + labels[:i % len(labels)]
         outs, timed = {}, {}
         for label in order:
             out, wall, prep, dev = clock.serial(runners[label], step, bucket)
-            outs[label] = out[:step.active].clone()
+            outs[label] = out[:n].clone()
             timed[label] = (wall, prep, dev, runners[label].route)
         if not fp8 and baseline:
-            refs[(max_active, step.step)] = outs[baseline]
-        ref = refs.get((max_active, step.step))
+            refs[(max_active, step.step, q_len)] = outs[baseline]
+        ref = refs.get((max_active, step.step, q_len))
         for label in labels:
             rel, mx = errors(outs[label], ref) if ref is not None else (math.nan, math.nan)
             wall, prep, dev, route = timed[label]
@@ -262,14 +270,13 @@ def _layout(plan: ModelStepPlan, shape: Shape, job: TraceJob) -> Layout:
 
 def _serve_trace(plan: ModelStepPlan, model: DecoderModel, job: TraceJob, layout: Layout, clock: StepClock,
                  start: float, rows: list, dropped: dict, memory: dict, log) -> None:
-    """One (shape, trace): each kv_dtype (16-bit first) x every max_active in plan.buckets."""
+    """One (shape, trace): each kv_dtype (16-bit first) x each q_len (1 first) x every max_active in plan.buckets."""
     cfg, ms = plan.cfg, model.shape
     shape = ms.attention(cfg.shape.page_size, cfg.shape.dtype)
-    step_sets, first, assignment = layout.step_sets, layout.first, layout.assignment
+    assignment = layout.assignment
     memory[f"{ms.name}/{job.name}"] = {"pages": assignment.num_pages, "layers": ms.layers,
                                        "bytes_16bit": kv_bytes(shape, assignment.num_pages, ms.layers)}
     caches = layer_caches(shape, assignment, device_of(cfg), job.seed, ms.layers)
-    xs = {b: torch.zeros(b, ms.hidden, dtype=shape.torch_dtype, device=caches[0].device) for b in plan.buckets}
     op = cfg.external.operating_point
     fallback = point_key(op.family, op.max_active)
     refs: dict = {}
@@ -281,27 +288,43 @@ def _serve_trace(plan: ModelStepPlan, model: DecoderModel, job: TraceJob, layout
             engines = [e for e in engines if e in table.runners("fp8")]
             for e in sorted(set(plan.engines) - set(engines)):
                 dropped.setdefault(f"{e}/fp8", "reads no FP8 KV cache (its routes read 16-bit KV): not in the FP8 rows")
-        tag = "" if kv_dtype == "auto" else f"/{kv_dtype}"
-        routed = [e for e in engines if e in table.runners("routed")]   # built per bucket, at its operating point
-        shared = build_runners([e for e in engines if e not in routed], model, caches, xs, sorted(first))
-        try:
-            _warm(shared, first, dropped, log, tag)
-            for b in plan.buckets:
-                made = dict(shared)
-                if routed:
-                    point = adaptive_point(plan.constants, job.family, b, fallback)
-                    per_bucket = build_runners(routed, model, caches, xs, sorted(first), constants=plan.constants,
-                                               point=point)
-                    _warm(per_bucket, first_steps([step_sets[b]], plan.buckets), dropped, log, tag)
-                    made.update(per_bucket)
-                made = {e: made[e] for e in engines if e in made}
-                t0 = time.monotonic()
-                rows += measure_job(plan, model, caches, job, b, step_sets[b], made, xs, clock, refs)
-                log(f"model_step {ms.name} {job.name} {kv_dtype} B{b}: {len(step_sets[b])} steps x {len(made)} "
-                    f"engines in {time.monotonic() - t0:.1f} s (total {time.monotonic() - start:.0f} s)")
-        finally:
-            for r in shared.values():
-                r.close()
+        for q_len in plan.q_lens:     # 1: decode; > 1: the speculative step, q_len query tokens a row
+            tag = "" if kv_dtype == "auto" else f"/{kv_dtype}"
+            tag += "" if q_len == 1 else f"/q{q_len}"
+            _serve_pass(plan, model, job, layout, caches, engines, q_len, tag, fallback, clock, start, refs, rows,
+                        dropped, log)
+
+
+def _serve_pass(plan, model, job, layout, caches, engines, q_len, tag, fallback, clock, start, refs, rows, dropped,
+                log) -> None:
+    """One (kv_dtype, q_len) pass over every max_active: runners built (a refusal named in
+    `dropped`, as a failed capture is), warmed, measured and closed."""
+    ms, step_sets, first = model.shape, layout.step_sets, layout.first
+    xs = {b: torch.zeros(b * q_len, ms.hidden, dtype=caches[0].shape.torch_dtype, device=caches[0].device)
+          for b in plan.buckets}
+    routed = [e for e in engines if e in table.runners("routed")]   # built per bucket, at its operating point
+    shared = build_runners([e for e in engines if e not in routed], model, caches, xs, sorted(first), q_len=q_len,
+                           refused=dropped, tag=tag)
+    try:
+        _warm(shared, first, dropped, log, tag)
+        for b in plan.buckets:
+            made = dict(shared)
+            if routed:
+                point = adaptive_point(plan.constants, job.family, b, fallback)
+                per_bucket = build_runners(routed, model, caches, xs, sorted(first), constants=plan.constants,
+                                           point=point, q_len=q_len, refused=dropped, tag=tag)
+                _warm(per_bucket, first_steps([step_sets[b]], plan.buckets), dropped, log, tag)
+                made.update(per_bucket)
+            made = {e: made[e] for e in engines if e in made}
+            if not made:
+                continue
+            t0 = time.monotonic()
+            rows += measure_job(plan, model, caches, job, b, step_sets[b], made, xs, clock, refs, q_len)
+            log(f"model_step {ms.name} {job.name}{tag} B{b}: {len(step_sets[b])} steps x {len(made)} "
+                f"engines in {time.monotonic() - t0:.1f} s (total {time.monotonic() - start:.0f} s)")
+    finally:
+        for r in shared.values():
+            r.close()
 
 
 # ---------------------------------------------------------------- the stage commands

@@ -6,7 +6,8 @@ reads RESULTS_DIR/raw/model_step/*.parquet (RESULTS_DIR: two levels above the fi
 target, or given). Files with a `kv_dtype` column (per-layer KV) get one row per
 KV dtype too, the FP8 rows' accuracy (rel. error against the 16-bit baseline) and their
 device-time ratio over FlashInfer's 16-bit graph path; files without it (the shared-cache
-run before) are read as they were, so their table regenerates unchanged.
+run before) are read as they were, so their table regenerates unchanged. A speculative
+step's rows (column `q_len` > 1) are their model's own rows, labelled "model (q_len N)".
 Per model shape x batch bucket x trace x engine: median serial wall and
 device time of the steps that ran in that bucket (pooled over the max_active jobs), the
 pipelined throughput of the job served at max_active = bucket, the
@@ -45,6 +46,17 @@ def keys_of(frame: pd.DataFrame) -> list[str]:
     return [*KEYS, "kv_dtype"] if "kv_dtype" in frame.columns else list(KEYS)
 
 
+def speculative(frame: pd.DataFrame) -> pd.DataFrame:
+    """The frame with each speculative step's model labelled "model (q_len N)" (once: a label is kept)."""
+    if "q_len" not in frame.columns or not (frame["q_len"] > 1).any():
+        return frame
+    out = frame.copy()
+    spec = (out["q_len"] > 1) & ~out["model"].str.endswith(")")
+    out["model"] = out["model"].astype(object)
+    out.loc[spec, "model"] = out.loc[spec, "model"] + " (q_len " + out.loc[spec, "q_len"].astype(str) + ")"
+    return out.astype({"model": frame["model"].dtype})
+
+
 def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
     files = sorted((root / "raw" / STAGE).glob("*.parquet"))
     if not files:
@@ -53,7 +65,7 @@ def load(root: Path) -> tuple[pd.DataFrame, list[dict]]:
     gpus = sorted({m.get("gpu", "unknown") for m in metas})
     if len(gpus) > 1:
         raise ValueError(f"{root} mixes results from several GPU models ({', '.join(gpus)})")
-    return pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True), metas
+    return speculative(pd.concat([pq.read_table(f).to_pandas() for f in files], ignore_index=True)), metas
 
 
 def ratio_base(frame: pd.DataFrame) -> str:
@@ -155,7 +167,7 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
 
 def t_model_step(raw) -> pd.DataFrame:
     """pkv.report.tables's table signature (a Raw with .frame)."""
-    return table(raw.frame)
+    return table(speculative(raw.frame))
 
 
 CAPTION = ("Each trace is served at max_active = {buckets} (continuous batching), and decode steps evenly "
