@@ -43,6 +43,7 @@ class Engine(ABC):
     """
 
     name: str = "engine"    # its row's key in pkv.engines.table (set by pkv.engines.registry.build)
+    q_len: int = 1          # query tokens per row: run()'s q has active x q_len rows
 
     def __init__(self, cache: PagedCache, validate: bool = True):
         self.cache = cache
@@ -64,7 +65,7 @@ class Engine(ABC):
 
     def check_query(self, q: torch.Tensor, plan: Plan) -> None:
         if self.validate:
-            check_query(q, self.cache.shape, plan.step.active, self.cache.device)
+            check_query(q, self.cache.shape, plan.step.active * self.q_len, self.cache.device)
 
     def layer(self, cache: PagedCache | None) -> PagedCache:
         """The cache run() reads: `cache` (a layer's, sharing this engine's page table) or its own."""

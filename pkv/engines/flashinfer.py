@@ -117,8 +117,7 @@ class FlashInferEngine(Engine):
         return Plan(step, self.name, 1, None)
 
     def run(self, q: torch.Tensor, plan: Plan, layer: PagedCache | None = None) -> torch.Tensor:
-        if self.q_len == 1:
-            self.check_query(q, plan)
+        self.check_query(q, plan)
         c = self.layer(layer)
         # FP8: one K and one V scale per tensor, FlashInfer's convention.
         scales = {} if c.scales is None else {"k_scale": c.scales.k_scale, "v_scale": c.scales.v_scale}

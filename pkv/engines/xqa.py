@@ -201,7 +201,7 @@ class XqaEngine(Engine):
         ql = self.q_len
         if q.shape[0] != plan.rows * ql:
             raise ValueError(f"flashinfer-xqa: q has {q.shape[0]} rows, the plan {plan.rows} x q_len {ql}")
-        if self.validate and plan.rows == plan.step.active and ql == 1:
+        if self.validate and plan.rows == plan.step.active:
             self.check_query(q, plan)
         c = self.layer(layer)
         s = self.cache.shape
