@@ -14,7 +14,7 @@ import torch
 
 from pkv.api.layouts import KvView, kv_view
 from pkv.api.op import paged_decode
-from pkv.engines.graph import check_queries
+from pkv.engines.common import check_queries
 
 
 def _check_reading(view: KvView, layout: str, num_kv_heads: int | None, page_size: int | None) -> None:

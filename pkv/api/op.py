@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from pkv.core.shape import Shape
-from pkv.engines.graph import CPU_NUM_CTAS, CTAS_PER_SM, check_graph_shape, check_queries
+from pkv.engines.common import check_queries
+from pkv.engines.graph import CPU_NUM_CTAS, CTAS_PER_SM, check_graph_shape
 from pkv.plan.device_schedule import (
     GRAPH_MAX_ROWS,
     GRAPH_MIN_TILES,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pkv.plan.device_schedule import MAX_Q_LEN
+
 
 def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -93,3 +95,17 @@ class PinnedStaging:
             self.events[i] = torch.cuda.Event()
         self.events[i].record()
         return out
+
+
+def check_queries(q_len, window_left, sinks, num_qo_heads: int, who: str = "the graph decode") -> None:
+    """The query options' refusals, one line each: q_len 1..MAX_Q_LEN, window_left an int >= -1
+    (-1: off), sinks None or a float32 tensor [num_qo_heads]."""
+    if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= MAX_Q_LEN:
+        raise ValueError(f"{who}: q_len is 1..{MAX_Q_LEN} query tokens per row, got {q_len!r}")
+    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
+        raise ValueError(f"{who}: window_left is an int >= 0 (keys [p - window_left, p]) or -1/None (off), "
+                         f"got {window_left!r}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32
+                              or tuple(sinks.shape) != (num_qo_heads,)):
+        got = f"{sinks.dtype} {list(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"{who}: sinks must be a float32 tensor [num_qo_heads={num_qo_heads}], got {got}")

@@ -11,7 +11,7 @@ from pkv.core.harness import StepState
 from pkv.core.paging import flashinfer_view
 from pkv.core.validate import check_kv
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import num_sms, pdl_supported
+from pkv.engines.common import check_queries, num_sms, pdl_supported
 from pkv.engines.table import info
 
 WORKSPACE_BYTES = 128 << 20   # FlashInfer's recommended float workspace (128 MB)
@@ -65,8 +65,6 @@ class FlashInferEngine(Engine):
     def __init__(self, cache: PagedCache, name: str, validate: bool = True, window_left: int = -1, q_len: int = 1,
                  sinks=None):
         super().__init__(cache, validate)
-        from pkv.engines.graph import check_queries
-
         check_queries(q_len, window_left, sinks, cache.shape.num_qo_heads, name)
         if info(name).kind == "persistent" and (window_left >= 0 or q_len > 1 or sinks is not None):
             raise ValueError(f"{name}: this adapter passes no window, sinks or q_len to BatchAttention")

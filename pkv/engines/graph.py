@@ -19,7 +19,7 @@ import torch
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import PinnedStaging, pdl_supported
+from pkv.engines.common import PinnedStaging, check_queries, pdl_supported
 from pkv.kernels.reference import run_schedule
 from pkv.plan.costmodel import graph_cost
 from pkv.plan.device_schedule import (
@@ -27,7 +27,6 @@ from pkv.plan.device_schedule import (
     GRAPH_MIN_TILES,
     MAX_COUNTER_STRIDE,
     MAX_PIECE_COST,
-    MAX_Q_LEN,
     MAX_SPIN_NS,
     PIECE_COST,
     Queries,
@@ -41,20 +40,6 @@ PAGE_SCALE_MIN_PAGE = 16    # kChunk in csrc/attend.cuh: one page factor per 16-
 MAX_GROUP = 16          # kMaxGroup in csrc/attend.cuh (8 at head_dim 256)
 CTAS_PER_SM = {64: 3, 128: 2, 256: 1}   # AttendCfg<D>::kCtasPerSm in csrc/attend.cuh
 CPU_NUM_CTAS = 264      # the H200's 132 SMs x 2: the CPU oracle cuts steps like the reference GPU
-
-
-def check_queries(q_len, window_left, sinks, num_qo_heads: int, who: str = "the graph decode") -> None:
-    """The query options' refusals, one line each: q_len 1..MAX_Q_LEN, window_left an int >= -1
-    (-1: off), sinks None or a float32 tensor [num_qo_heads]."""
-    if isinstance(q_len, bool) or not isinstance(q_len, int) or not 1 <= q_len <= MAX_Q_LEN:
-        raise ValueError(f"{who}: q_len is 1..{MAX_Q_LEN} query tokens per row, got {q_len!r}")
-    if isinstance(window_left, bool) or not isinstance(window_left, int) or window_left < -1:
-        raise ValueError(f"{who}: window_left is an int >= 0 (keys [p - window_left, p]) or -1/None (off), "
-                         f"got {window_left!r}")
-    if sinks is not None and (not isinstance(sinks, torch.Tensor) or sinks.dtype != torch.float32
-                              or tuple(sinks.shape) != (num_qo_heads,)):
-        got = f"{sinks.dtype} {list(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
-        raise ValueError(f"{who}: sinks must be a float32 tensor [num_qo_heads={num_qo_heads}], got {got}")
 
 
 def check_graph_shape(shape, scales=None) -> None:

@@ -59,7 +59,7 @@ import torch
 from pkv.core.cache import PagedCache
 from pkv.core.harness import StepState
 from pkv.engines.base import Engine, Plan
-from pkv.engines.common import PinnedStaging, num_sms, pdl_supported
+from pkv.engines.common import PinnedStaging, check_queries, num_sms, pdl_supported
 
 PAGE_SIZES = (16, 32, 64, 128)       # TOKENS_PER_PAGE that flashinfer/jit/xqa.py builds
 HEAD_DIM_STEP, MAX_HEAD_DIM = 16, 256   # head_dim % 16 == 0; > 256 has no SM90 (GMMA, FP8) kernel
@@ -135,8 +135,6 @@ class XqaEngine(Engine):
         super().__init__(cache, validate)
         s = cache.shape
         check_xqa_shape(s, cache.scales)
-        from pkv.engines.graph import check_queries
-
         check_queries(q_len, window_left, sinks, s.num_qo_heads, "the XQA adapter")
         # FlashInfer's mapping (trtllm_batch_decode_with_kv_cache): XQA's window counts the query's own token
         self.sliding_win = window_left + 1 if window_left >= 0 else 0
