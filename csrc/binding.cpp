@@ -107,7 +107,7 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
                         int64_t num_ctas, int64_t min_tiles, const std::optional<at::Tensor>& page_scales,
                         double k_scale, double v_scale, double sm_scale, double logits_soft_cap,
                         int64_t piece_cost, int64_t counter_stride, int64_t spin_ns, bool pdl, int64_t window_left,
-                        int64_t q_len, const std::optional<at::Tensor>& sinks) {
+                        int64_t q_len, const std::optional<at::Tensor>& sinks, int64_t short_tiles) {
   check_cuda(q, "q"); check_cuda(block_table, "block_table"); check_cuda(seq_lens, "seq_lens");
   check_cuda(req_ids, "req_ids"); check_cuda(out, "out"); check_cuda(partial, "partial"); check_cuda(counters, "counters");
   TORCH_CHECK(k.is_cuda() && v.is_cuda() && k.dim() == 4 && k.sizes() == v.sizes() && k.strides() == v.strides() &&
@@ -197,6 +197,9 @@ void graph_decode_paged(const at::Tensor& q, const at::Tensor& k, const at::Tens
   TORCH_CHECK(counter_stride * q_blocks <= pkv::kMaxCounterStride, "pkv.graph_decode: counter_stride x query blocks (",
               q_blocks, ") is at most ", pkv::kMaxCounterStride);
   p.sinks = sinks ? sinks->data_ptr<float>() : nullptr;
+  TORCH_CHECK(short_tiles >= 0 && short_tiles < (int64_t{1} << 20), "pkv.graph_decode: short_tiles >= 0, got ",
+              short_tiles);
+  p.short_tiles = static_cast<int>(short_tiles);
   if (page_scales) {
     check_cuda(*page_scales, "page_scales");
     TORCH_CHECK(page_scales->scalar_type() == at::kFloat && page_scales->dim() == 3 &&
@@ -216,13 +219,13 @@ void graph_decode(const at::Tensor& q, const at::Tensor& kv, const at::Tensor& b
                   const at::Tensor& counters, int64_t num_ctas, int64_t min_tiles,
                   const std::optional<at::Tensor>& page_scales, double k_scale, double v_scale, int64_t piece_cost,
                   int64_t counter_stride, int64_t spin_ns, bool pdl, int64_t window_left, int64_t q_len,
-                  const std::optional<at::Tensor>& sinks) {
+                  const std::optional<at::Tensor>& sinks, int64_t short_tiles) {
   check_cuda(kv, "kv");
   TORCH_CHECK(kv.dim() == 5 && kv.size(1) == 2, "pkv: kv[pages,2,Hkv,P,D] expected");
   graph_decode_paged(q, kv.select(1, 0), kv.select(1, 1), block_table, seq_lens, req_ids, out, std::nullopt, partial,
                      counters, num_ctas, min_tiles, page_scales, k_scale, v_scale,
                      1.0 / std::sqrt(static_cast<double>(kv.size(4))), 0.0, piece_cost, counter_stride, spin_ns, pdl,
-                     window_left, q_len, sinks);
+                     window_left, q_len, sinks, short_tiles);
 }
 
 int64_t graph_ctas_per_sm(int64_t head_dim) { return pkv::graph_decode_ctas_per_sm(static_cast<int>(head_dim)); }
@@ -262,12 +265,12 @@ TORCH_LIBRARY(pkv, m) {
   m.def("graph_decode(Tensor q, Tensor kv, Tensor block_table, Tensor seq_lens, Tensor req_ids, Tensor(a!) out, "
         "Tensor(b!) partial, Tensor(c!) counters, int num_ctas, int min_tiles, Tensor? page_scales=None, "
         "float k_scale=1.0, float v_scale=1.0, int piece_cost=8, int counter_stride=1, int spin_ns=0, "
-        "bool pdl=False, int window_left=-1, int q_len=1, Tensor? sinks=None) -> ()");
+        "bool pdl=False, int window_left=-1, int q_len=1, Tensor? sinks=None, int short_tiles=0) -> ()");
   m.def("graph_decode_paged(Tensor q, Tensor k, Tensor v, Tensor block_table, Tensor seq_lens, Tensor req_ids, "
         "Tensor(a!) out, Tensor(b!)? lse, Tensor(c!) partial, Tensor(d!) counters, int num_ctas, int min_tiles, "
         "Tensor? page_scales, float k_scale, float v_scale, float sm_scale, float logits_soft_cap, int piece_cost=8, "
         "int counter_stride=1, int spin_ns=0, bool pdl=False, int window_left=-1, int q_len=1, "
-        "Tensor? sinks=None) -> ()");
+        "Tensor? sinks=None, int short_tiles=0) -> ()");
   m.def("graph_ctas_per_sm(int head_dim) -> int", &graph_ctas_per_sm);
   m.def("graph_trace(Tensor(a!) out) -> ()", &graph_trace);
 }

@@ -69,12 +69,16 @@ __device__ __forceinline__ SegmentSlots segment_slots(int j0, int64_t seg_begin,
   return {j0, floor_div(j0 * W, n) >= seg_begin ? 2 * j0 : 2 * j0 + 1};
 }
 
-// CTAs that get work (pkv.device_schedule.active_ctas): at most the grid, no range under
-// min_tiles; with fewer segments than CTAs, a multiple of the segment count (CTA ranges
-// cut segments alike and no CTA straddles two).
+// CTAs that get work (pkv.plan.device_schedule.grid_ctas): at most the grid, no range under
+// min_tiles; a short step (at most p.short_tiles tiles a CTA over half the grid) on at most half
+// of it, so that the next call's CTAs find free SMs to start on (under PDL: to scan, cut and
+// issue their first copies) while this one finishes; with fewer segments than CTAs, a multiple
+// of the segment count (CTA ranges cut segments alike and no CTA straddles two).
 __device__ __forceinline__ int active_ctas(int64_t W, int segments, const GraphDecodeParams& p) {
   const int64_t want = floor_div(W + p.min_tiles - 1, p.min_tiles);
   int n = static_cast<int>(want < p.num_ctas ? want : p.num_ctas);
+  const int half = p.num_ctas > 1 ? p.num_ctas / 2 : 1;
+  if (n > half && W <= static_cast<int64_t>(p.short_tiles) * half) n = half;
   if (segments > 0 && segments <= n) n = n / segments * segments;
   return n;
 }

@@ -58,7 +58,8 @@ cudaError_t launch_graph_decode(const GraphDecodeParams& p, DType dtype, bool kv
       p.counter_stride < 1 || p.counter_stride > kMaxCounterStride || p.spin_ns < 0 || p.spin_ns > kMaxSpinNs ||
       (p.page_scales != nullptr && (!kv_fp8 || (1 << p.page_shift) < kChunk)) || p.window_left < -1 ||
       p.q_len < 1 || p.q_len > kMaxQLen || p.q_block != graph_query_block(p.group, head_dim, p.q_len) ||
-      p.q_blocks != (p.q_len + p.q_block - 1) / p.q_block || p.counter_stride * p.q_blocks > kMaxCounterStride)
+      p.q_blocks != (p.q_len + p.q_block - 1) / p.q_block || p.counter_stride * p.q_blocks > kMaxCounterStride ||
+      p.short_tiles < 0)
     return cudaErrorInvalidValue;
   return dtype == DType::kFloat16 ? launch_dim<__half>(p, kv_fp8, head_dim, pdl, stream)
                                   : launch_dim<__nv_bfloat16>(p, kv_fp8, head_dim, pdl, stream);

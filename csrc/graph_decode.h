@@ -54,6 +54,8 @@ struct GraphDecodeParams {
                             // (0..kMaxPieceCost; 0: the cut counts tiles only)
   int counter_stride;       // ints between two segments' merge counters (1..kMaxCounterStride; 1)
   int spin_ns;              // the mergers' spin back-off a poll, ns (0..kMaxSpinNs; 0: none)
+  int short_tiles;          // a step of at most this many tiles a CTA over half the grid runs on half
+                            // of it (graph_cut.cuh, active_ctas; 0: off)
   float scale_log2;         // log2(e) * sm_scale (1 / sqrt(D) by default)
   float k_scale, v_scale;   // FP8 tensor scales (1 for a 16-bit cache)
   // Queries (pkv.plan.device_schedule.Queries). q and out are [num_rows * q_len, Hq, D] (lse

@@ -30,6 +30,7 @@ from pkv.plan.device_schedule import (
     active_ctas,
     graph_pieces,
     graph_schedule,
+    grid_ctas,
     grid_merge_roles,
 )
 from pkv.plan.schedule import TILE_TOKENS, num_tiles
@@ -273,3 +274,67 @@ def test_in_grid_merge_never_waits_with_work_left(name, num_ctas, min_tiles, pie
         assert 1 <= g.slices <= min(MERGE_SLICES, len(g.ctas) - (g.late is not None))
     if name == "B4 near 33K" and (num_ctas, min_tiles) == (264, 4):
         assert any(g.late is not None for g in roles)          # the straddling CTAs that must not wait
+
+
+
+# Short steps: a step of at most short_tiles tiles a CTA over half the grid runs on half of it.
+@pytest.mark.parametrize("lens,short_tiles,want", [
+    ([1024], 8, 128),         # 256 tiles: half the grid (132), 8 segments -> 128 CTAs of 2 tiles
+    ([1024] * 2, 0, 256),     # off: the full grid, a multiple of the 16 segments
+    ([1024] * 2, 8, 128),     # on: half of it
+    ([4096], 8, 128),         # 1024 tiles <= 8 x 132: half the grid, 16 CTAs a segment
+    ([4096], 4, 264),         # 1024 tiles > 4 x 132: the full grid
+    ([2048] * 8, 8, 256),     # 4096 tiles: the full grid, a multiple of the 64 segments
+    ([0, 300, 0], 8, 80),     # 80 tiles: fewer than half the grid; padding rows hold no segment
+])
+def test_short_steps_take_half_the_grid(lens, short_tiles, want):
+    """8 KV heads on a 264-CTA grid (132 SMs x 2), min_tiles 1."""
+    assert active_ctas(np.asarray(lens), 8, 264, 1, short_tiles=short_tiles) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(work=st.integers(1, 20_000), segments=st.integers(1, 600), num_ctas=st.sampled_from([1, 2, 8, 64, 264, 396]),
+       min_tiles=st.integers(1, 8), short_tiles=st.sampled_from([0, 4, 8, 64]))
+def test_short_steps_only_ever_halve_the_grid(work, segments, num_ctas, min_tiles, short_tiles):
+    """Off, the rule is the full-grid cut; on, a step over half the grid is untouched and a short
+    one gets the cut of a half-size grid (never fewer than one CTA)."""
+    segments = min(segments, work)
+    full = grid_ctas(work, segments, num_ctas, min_tiles, 0)
+    n = min(num_ctas, -(-work // min_tiles))
+    if segments <= n:
+        n = n // segments * segments
+    assert full == n
+    half = max(num_ctas // 2, 1)
+    got = grid_ctas(work, segments, num_ctas, min_tiles, short_tiles)
+    short = work <= short_tiles * half
+    assert got == (grid_ctas(work, segments, half, min_tiles, 0) if short and full > half else full)
+    assert 1 <= got <= num_ctas
+
+
+@settings(max_examples=100, deadline=None)
+@given(lens=st.lists(st.integers(0, 3000), min_size=1, max_size=24), h=st.sampled_from([1, 2, 8]),
+       num_ctas=st.sampled_from([8, 64, 264]), short_tiles=st.sampled_from([4, 8, 16]),
+       piece_cost=st.sampled_from([0, 8]))
+def test_short_steps_cover_every_token_once(lens, h, num_ctas, short_tiles, piece_cost):
+    """With short steps on, the pieces still cover each row's tiles exactly once, CTAs 0..n-1."""
+    if sum(lens) == 0:
+        lens = [*lens[:-1], 1]
+    pieces = graph_pieces(np.asarray(lens), h, num_ctas, 1, piece_cost, short_tiles=short_tiles)
+    n = active_ctas(np.asarray(lens), h, num_ctas, 1, short_tiles=short_tiles)
+    assert {p.cta for p in pieces} <= set(range(n))
+    seen = defaultdict(list)
+    for p in pieces:
+        seen[(p.row, p.kv_head)].append((p.t_begin, p.t_end))
+    for r, length in enumerate(lens):
+        for g in range(h):
+            ranges = sorted(seen.get((r, g), []))
+            assert (not ranges) if length == 0 else (ranges[0][0] == 0 and ranges[-1][1] == length)
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "8"])
+def test_the_engine_refuses_a_bad_short_tiles(bad):
+    shape = Shape(num_qo_heads=8, num_kv_heads=2, head_dim=64, page_size=16)
+    cache = PagedCache.random(shape, assign_pages([300, 300], 16, 0.0, 3), seed=3)
+    with pytest.raises(ValueError, match="short_tiles"):
+        make_engine("pkv-graph", cache, short_tiles=bad)

@@ -30,6 +30,7 @@ from pkv.plan.device_schedule import (
     GRAPH_MIN_TILES,
     MAX_COUNTER_STRIDE,
     PIECE_COST,
+    SHORT_TILES,
     Queries,
     graph_schedule,
 )
@@ -184,7 +185,8 @@ def _cpu(q, k, v, block_table, seq_lens, out, lse, sm_scale, cap, k_scale, v_sca
     _check_values(k.shape[0], k.shape[2], block_table, lens, q_len)
     kv = torch.stack([k.float() * k_scale, v.float() * v_scale], dim=1)   # the oracle reads [pages, 2, Hkv, P, D]
     queries = Queries.of(q.shape[1] // k.shape[1], k.shape[3], q_len, window_left)
-    schedule = graph_schedule(lens, k.shape[1], num_ctas(q.device, k.shape[3]), GRAPH_MIN_TILES, PIECE_COST, queries)
+    schedule = graph_schedule(lens, k.shape[1], num_ctas(q.device, k.shape[3]), GRAPH_MIN_TILES, PIECE_COST, queries,
+                              SHORT_TILES)
     lse32 = None if lse is None else torch.empty(lse.shape, dtype=torch.float32)
     res = run_schedule(q, kv, block_table, seq_lens, schedule, sm_scale, cap, lse32, queries=queries, sinks=sinks)
     rows = torch.as_tensor(np.repeat(lens > 0, q_len))   # rows of length 0 are padding: left unwritten, as on the GPU
@@ -207,7 +209,8 @@ def _cuda(q, k, v, block_table, seq_lens, workspace, out, lse, sm_scale, cap, k_
     partial, ids, counters = split_workspace(workspace, batch, hq, k.shape[1], d, q_len)
     ops().graph_decode_paged(q, k, v, block_table, seq_lens, ids, out, lse, partial, counters, num_ctas(q.device, d),
                              GRAPH_MIN_TILES, None, k_scale, v_scale, sm_scale, cap, piece_cost=PIECE_COST,
-                             window_left=window_left, q_len=q_len, sinks=sinks, pdl=pdl and pdl_supported(q.device))
+                             window_left=window_left, q_len=q_len, sinks=sinks, pdl=pdl and pdl_supported(q.device),
+                             short_tiles=SHORT_TILES)
 
 
 @torch.library.custom_op("pkv_api::paged_decode", mutates_args=("out", "lse", "workspace"))

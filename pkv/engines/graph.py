@@ -29,6 +29,7 @@ from pkv.plan.device_schedule import (
     MAX_PIECE_COST,
     MAX_SPIN_NS,
     PIECE_COST,
+    SHORT_TILES,
     Queries,
     graph_schedule,
 )
@@ -70,8 +71,8 @@ class GraphPlan(Plan):
     @property
     def counters(self) -> Counters:
         if self._counters is None:
-            shape, num_ctas, min_tiles, num_sms, piece_cost, queries = self._counter_args
-            cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles, piece_cost, queries)
+            shape, num_ctas, min_tiles, num_sms, piece_cost, queries, short_tiles = self._counter_args
+            cost = graph_cost(shape, self.step.seq_lens, num_ctas, min_tiles, piece_cost, queries, short_tiles)
             self._counters = Counters(1, 0, 0, int(cost.ctas), num_ctas - int(cost.ctas), num_sms,
                                       int(cost.kv_bytes), int(cost.kv_bytes), int(cost.merge_bytes),
                                       int(cost.task_bytes))
@@ -80,12 +81,14 @@ class GraphPlan(Plan):
 
 class GraphEngine(Engine):
     """window_left (-1: off), q_len (query tokens per row: q is [rows * q_len, Hq, D]) and sinks
-    (float32 [Hq]) are the layer's attention (pkv.plan.device_schedule.Queries, docs/api.md)."""
+    (float32 [Hq]) are the layer's attention (pkv.plan.device_schedule.Queries, docs/api.md).
+    short_tiles: a step of at most this many tiles a CTA over half the grid runs on half of it
+    (pkv.plan.device_schedule.grid_ctas; 0: off)."""
 
     def __init__(self, cache: PagedCache, max_rows: int | None = None, ctas_per_sm: int | None = None,
                  min_tiles: int = GRAPH_MIN_TILES, num_sms: int | None = None,
                  piece_cost: int = PIECE_COST, counter_stride: int = 1, spin_ns: int = 0, pdl: bool | None = None,
-                 window_left: int = -1, q_len: int = 1, sinks=None):
+                 window_left: int = -1, q_len: int = 1, sinks=None, short_tiles: int = SHORT_TILES):
         super().__init__(cache)
         s = cache.shape
         if isinstance(sinks, (list, tuple)):
@@ -106,6 +109,9 @@ class GraphEngine(Engine):
             raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a short segment's piece costs in "
                              f"the cut (0: tiles only), got {piece_cost}")
         self.piece_cost = int(piece_cost)
+        if not (isinstance(short_tiles, int) and short_tiles >= 0):
+            raise ValueError(f"short_tiles is >= 0 tiles a CTA over half the grid (0: off), got {short_tiles!r}")
+        self.short_tiles = short_tiles
         # The in-grid merge's diagnosis options (csrc/graph_merge.cuh, spin_pause): where the
         # segments' counters sit (ints apart) and the mergers' spin back-off (ns a poll).
         if not (1 <= counter_stride * self.queries.blocks <= MAX_COUNTER_STRIDE and 0 <= spin_ns <= MAX_SPIN_NS):
@@ -121,7 +127,7 @@ class GraphEngine(Engine):
         else:
             sms = num_sms or CPU_NUM_CTAS // 2
             self.num_ctas = (ctas_per_sm or 2) * num_sms if num_sms else CPU_NUM_CTAS
-        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.piece_cost, self.queries)
+        self._counter_args = (s, self.num_ctas, min_tiles, sms, self.piece_cost, self.queries, short_tiles)
         dev = cache.device
         slots = 2 * self.num_ctas
         self.partial = torch.empty(slots * slot_floats(s) * self.queries.block + 4, dtype=torch.float32, device=dev)
@@ -158,7 +164,8 @@ class GraphEngine(Engine):
             self.ops.graph_decode(q, c.kv, self.cache.block_table, self.meta[:r], self.meta[r:2 * r], out,
                                   self.partial, self.counters, self.num_ctas, self.min_tiles, **scales,
                                   piece_cost=self.piece_cost, counter_stride=self.counter_stride, spin_ns=self.spin_ns,
-                                  pdl=self.pdl, window_left=self.queries.window_left, q_len=ql, sinks=self.sinks)
+                                  pdl=self.pdl, window_left=self.queries.window_left, q_len=ql, sinks=self.sinks,
+                                  short_tiles=self.short_tiles)
             return out
         b = plan.step.active
         if ql > 1 and (np.asarray(plan.step.seq_lens)[:b] < ql).any():
@@ -167,7 +174,7 @@ class GraphEngine(Engine):
         lens = torch.as_tensor(np.asarray(plan.step.seq_lens, dtype=np.int32))
         table = self.cache.block_table[torch.as_tensor(plan.step.request_ids)]
         schedule = graph_schedule(plan.step.seq_lens, self.cache.shape.num_kv_heads, self.num_ctas, self.min_tiles,
-                                  self.piece_cost, self.queries)
+                                  self.piece_cost, self.queries, self.short_tiles)
         out[:b * ql] = run_schedule(q[:b * ql], c.values(), table, lens, schedule, queries=self.queries,
                                     sinks=self.sinks).to(q.dtype)
         return out

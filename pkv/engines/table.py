@@ -41,7 +41,7 @@ class EngineInfo:
 PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
 FEATURE_OPTIONS = ("validate", "window_left", "q_len", "sinks")   # FlashInfer's planned decode: plan/run pass them
 GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost", "counter_stride", "spin_ns", "pdl",
-                 "window_left", "q_len", "sinks")
+                 "window_left", "q_len", "sinks", "short_tiles")
 
 ENGINES: dict[str, EngineInfo] = {
     "reference": EngineInfo("reference", "fp32", "Eq. 1 in FP32, one row at a time", "pkv.engines.cpu", cpu=True,

@@ -68,7 +68,7 @@ from pathlib import Path
 import numpy as np
 
 from pkv.core.shape import Shape
-from pkv.plan.device_schedule import ONE_QUERY, PIECE_COST, Queries, grid_ctas, setup_units
+from pkv.plan.device_schedule import ONE_QUERY, PIECE_COST, SHORT_TILES, Queries, grid_ctas, setup_units
 from pkv.plan.schedule import TILE_TOKENS, SplitPolicy, num_tiles, slot_bytes, workqueue_row_splits
 
 OBJECTIVES = ("serial", "overlapped")   # the words of pkv.engines.table.ENUM_OPTIONS["objective"]
@@ -413,7 +413,8 @@ def workqueue_cost(shape: Shape, seq_lens, policy: SplitPolicy) -> RouteCost:
 
 
 def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
-                 piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY) -> tuple[int, int]:
+                 piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY,
+                 short_tiles: int = SHORT_TILES) -> tuple[int, int]:
     """(CTAs with work, partial states of the cut segments) of pkv-graph's device rule
     (pkv.plan.device_schedule: n CTAs take equal ranges of the step's units, a segment's
     tiles after its set-up units; a segment that a range boundary falls inside its tiles
@@ -422,13 +423,13 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
     up to SMALL_ROWS rows without set-up units (the router's misses), else O(n) numpy. queries: a
     row's work is its window's tiles, its segments KV heads x query blocks (pkv.plan.device_schedule)."""
     if piece_cost == 0 and queries == ONE_QUERY and isinstance(seq_lens, list) and len(seq_lens) <= SMALL_ROWS:
-        return _graph_counts_small(seq_lens, num_kv_heads, num_ctas, min_tiles)
+        return _graph_counts_small(seq_lens, num_kv_heads, num_ctas, min_tiles, short_tiles)
     tiles = queries.tiles(np.asarray(seq_lens, dtype=np.int64))
     h = num_kv_heads * queries.blocks
     work = int(tiles.sum()) * h
     if work == 0:
         return 0, 0
-    n = grid_ctas(work, int(np.count_nonzero(tiles)) * h, num_ctas, min_tiles)
+    n = grid_ctas(work, int(np.count_nonzero(tiles)) * h, num_ctas, min_tiles, short_tiles)
     if n == 1:
         return 1, 0
     setup = setup_units(tiles, n, work, piece_cost)
@@ -449,7 +450,8 @@ def graph_counts(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int,
     return ctas, cuts + cut_segments                       # a segment cut k times has k + 1 pieces
 
 
-def _graph_counts_small(lens: list, h: int, num_ctas: int, min_tiles: int) -> tuple[int, int]:
+def _graph_counts_small(lens: list, h: int, num_ctas: int, min_tiles: int,
+                        short_tiles: int = SHORT_TILES) -> tuple[int, int]:
     """graph_counts without set-up units, in plain ints for a few rows (a router miss): each
     segment's cuts counted in closed form. The range boundaries are b_j = j * U // n (j = 1 ..
     n - 1), so those strictly inside a segment's units (S, S + t) are the j from
@@ -458,7 +460,7 @@ def _graph_counts_small(lens: list, h: int, num_ctas: int, min_tiles: int) -> tu
     units = sum(tiles) * h
     if units == 0:
         return 0, 0
-    n = grid_ctas(units, sum(1 for t in tiles if t) * h, num_ctas, min_tiles)
+    n = grid_ctas(units, sum(1 for t in tiles if t) * h, num_ctas, min_tiles, short_tiles)
     if n == 1:
         return 1, 0
     # first >= 1 and last <= n - 1 hold by themselves (start >= 0, start + t <= U).
@@ -486,7 +488,7 @@ def _setup_only(bounds, units: int, ends, seg_units, setup, h: int) -> int:
 
 
 def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost: int = PIECE_COST,
-               queries: Queries = ONE_QUERY) -> RouteCost:
+               queries: Queries = ONE_QUERY, short_tiles: int = SHORT_TILES) -> RouteCost:
     """pkv-graph on one step: all useful KV bytes in one launch over `ctas` CTAs, plus the
     cut segments' partial states (merge bytes). An integer array is counted in numpy, any
     other sequence as a list of ints (graph_counts). queries: a windowed row reads its window
@@ -494,7 +496,7 @@ def graph_cost(shape: Shape, seq_lens, num_ctas: int, min_tiles: int, piece_cost
     block's G x tokens query rows."""
     lens = seq_lens if isinstance(seq_lens, np.ndarray) else _lengths(seq_lens)
     h = shape.num_kv_heads * queries.blocks
-    n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles, piece_cost, queries)
+    n, states = graph_counts(lens, shape.num_kv_heads, num_ctas, min_tiles, piece_cost, queries, short_tiles)
     if queries == ONE_QUERY:
         tiles = num_tiles(lens.astype(np.int64)) if isinstance(lens, np.ndarray) else [num_tiles(x) for x in lens]
         read = lens

@@ -23,6 +23,10 @@ states by its last CTA to finish, a longer one by the last MERGE_SLICES of its C
 finish, one equal slice of its columns each (the earlier ones wait on the segment's counter
 for the rest; `grid_merge_roles`).
 
+Short steps (`grid_ctas`): a step of at most `short_tiles` tiles a CTA over half the grid runs on
+at most half of it, so that the next call's CTAs find free SMs to start on (under PDL: to scan,
+cut and issue their first copies) while this one finishes.
+
 Rows with several query tokens, or a sliding window (`Queries`): a row of length L holds q_len
 query tokens at positions L - q_len .. L - 1, each attending causally to the keys at or
 before its position and, with a left window W, at or after its position - W. A row's work
@@ -57,6 +61,7 @@ MAX_COUNTER_STRIDE = 32  # kMaxCounterStride: merge counters allocated per (row,
 MAX_SPIN_NS = 10000     # kMaxSpinNs: pkv-graph's spin_ns option's bound
 MAX_Q_LEN = 8           # kMaxQLen: query tokens per row
 MAX_PASS_ROWS = 16      # kMaxGroup in csrc/attend.cuh: query rows (G x tokens) of one pass; 8 at head_dim 256
+SHORT_TILES = 8         # default short-step bound, tiles a CTA over half the grid (its A/B: docs/log.md)
 
 
 def pass_rows(head_dim: int) -> int:
@@ -133,29 +138,35 @@ class Piece:
 
 
 def active_ctas(seq_lens: np.ndarray, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
-                queries: Queries = ONE_QUERY) -> int:
-    """CTAs that get work: at most the grid, no range under min_tiles, and with fewer
-    segments than CTAs a multiple of the segment count (no CTA straddles two segments)."""
+                queries: Queries = ONE_QUERY, short_tiles: int = SHORT_TILES) -> int:
+    """CTAs that get work (`grid_ctas` of the step's tiles and non-empty segments)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     h = num_kv_heads * queries.blocks
-    return grid_ctas(int(queries.tiles(lens).sum()) * h, int((lens > 0).sum()) * h, num_ctas, min_tiles)
+    return grid_ctas(int(queries.tiles(lens).sum()) * h, int((lens > 0).sum()) * h, num_ctas, min_tiles, short_tiles)
 
 
-def grid_ctas(work: int, segments: int, num_ctas: int, min_tiles: int) -> int:
-    """active_ctas from the step's counts (tiles x KV heads, non-empty segments), in plain ints."""
+def grid_ctas(work: int, segments: int, num_ctas: int, min_tiles: int, short_tiles: int = SHORT_TILES) -> int:
+    """csrc/graph_cut.cuh's active_ctas from the step's counts (tiles x segments per row, non-empty
+    segments), in plain ints: at most the grid, no range under min_tiles; a short step (at most
+    short_tiles tiles a CTA over half the grid) on at most half of it; with fewer segments than
+    CTAs, a multiple of the segment count (no CTA straddles two segments)."""
     n = min(num_ctas, -(-work // min_tiles))
+    half = max(num_ctas // 2, 1)
+    if n > half and work <= short_tiles * half:
+        n = half
     if 0 < segments <= n:
         n = n // segments * segments
     return n
 
 
 def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
-                 piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY) -> list[Piece]:
+                 piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY,
+                 short_tiles: int = SHORT_TILES) -> list[Piece]:
     """Every CTA's pieces, in CTA order, exactly as the kernel cuts them (rows of length 0 are padding)."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     if lens.ndim != 1 or len(lens) > GRAPH_MAX_ROWS or (lens < 0).any():
         raise ValueError(f"seq_lens must be 1-D, >= 0, at most {GRAPH_MAX_ROWS} rows")
-    cut = Cut.of(lens, num_kv_heads, num_ctas, min_tiles, piece_cost, queries)
+    cut = Cut.of(lens, num_kv_heads, num_ctas, min_tiles, piece_cost, queries, short_tiles)
     if cut.units == 0:
         return []
     nb = queries.blocks
@@ -183,13 +194,14 @@ def graph_pieces(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GR
 
 
 def graph_schedule(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
-                   piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY) -> Schedule:
+                   piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY,
+                   short_tiles: int = SHORT_TILES) -> Schedule:
     """The pieces as one queue launch (tasks grouped by segment) for pkv.kernels.reference.run_schedule.
     With several query blocks (`queries.blocks` > 1) a task's head is the segment's virtual KV
     head (kv_head * blocks + block) and the schedule's num_kv_heads counts them."""
     lens = np.asarray(seq_lens, dtype=np.int64)
     nb = queries.blocks
-    pieces = sorted(graph_pieces(lens, num_kv_heads, num_ctas, min_tiles, piece_cost, queries),
+    pieces = sorted(graph_pieces(lens, num_kv_heads, num_ctas, min_tiles, piece_cost, queries, short_tiles),
                     key=lambda p: (p.row, p.kv_head, p.q_block, p.t_begin))
     rows = np.flatnonzero(lens > 0).astype(np.int32)
     segs = {}
@@ -227,13 +239,13 @@ class Cut:
 
     @classmethod
     def of(cls, seq_lens, h: int, num_ctas: int, min_tiles: int, piece_cost: int,
-           queries: Queries = ONE_QUERY) -> "Cut":
+           queries: Queries = ONE_QUERY, short_tiles: int = SHORT_TILES) -> "Cut":
         """h: KV heads; the cut's segments per row are h * queries.blocks (virtual KV heads)."""
         if not 0 <= piece_cost <= MAX_PIECE_COST:
             raise ValueError(f"piece_cost is 0..{MAX_PIECE_COST} set-up units a piece, got {piece_cost}")
         lens = np.asarray(seq_lens, dtype=np.int64)
         tiles = queries.tiles(lens)
-        n = active_ctas(lens, h, num_ctas, min_tiles, queries)
+        n = active_ctas(lens, h, num_ctas, min_tiles, queries, short_tiles)
         h *= queries.blocks
         setup = setup_units(tiles, n, int(tiles.sum()) * h, piece_cost)
         inc = np.cumsum(tiles + setup)
@@ -269,12 +281,13 @@ class Cut:
 
 
 def grid_merge_roles(seq_lens, num_kv_heads: int, num_ctas: int, min_tiles: int = GRAPH_MIN_TILES,
-                     piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY) -> list[GridMerge]:
+                     piece_cost: int = PIECE_COST, queries: Queries = ONE_QUERY,
+                     short_tiles: int = SHORT_TILES) -> list[GridMerge]:
     """The in-grid merge's roles, as every CTA of csrc/graph_decode_kernel.cuh computes
     them from the cut: for each segment cut into more than CTA_MERGE_STATES states, the late
     CTA (j1, when its range goes on past the segment's end) and the slice count
     K = min(e, MERGE_SLICES) over the e other CTAs."""
-    cut = Cut.of(seq_lens, num_kv_heads, num_ctas, min_tiles, piece_cost, queries)
+    cut = Cut.of(seq_lens, num_kv_heads, num_ctas, min_tiles, piece_cost, queries, short_tiles)
     roles = []
     for r in np.flatnonzero(cut.tiles):
         exc = int(cut.inc[r - 1]) if r else 0

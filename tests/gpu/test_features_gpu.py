@@ -140,7 +140,7 @@ def test_wrapper_graph_replay():
 #   compute-sanitizer --tool {memcheck,racecheck,synccheck} --kernel-name kns=graph_ \
 #     --error-exitcode 1 python3 -m pytest -q tests/gpu/test_features_gpu.py -k features_sanitizer_grid
 SANITIZER_GRID = [(d, kv, q_len, window, lens) for d in (64, 128, 256) for kv in ("auto", "tensor")
-                  for q_len, window in ((1, 40), (3, -1), (8, 100)) for lens in ((40,), (3000, 17))
+                  for q_len, window in ((1, 40), (3, -1), (8, 100)) for lens in ((40,), (3000, 17), (300, 300))
                   if not (kv != "auto" and d == 256)]
 
 

@@ -138,7 +138,7 @@ def test_in_grid_merge_counter_options(counter_stride, spin_ns):
 # (--kernel-name keeps the tools on the graph decode kernel: unfiltered, racecheck also reports
 # torch's own reduction kernels that the checks call.)
 SANITIZER_GRID = [(d, kv, page, lens) for d in (64, 128, 256) for kv in ("auto", "tensor", "page")
-                  for page in (1, 64) for lens in ((40,), (3000, 17))
+                  for page in (1, 64) for lens in ((40,), (3000, 17), (300, 300))
                   if not (kv != "auto" and d == 256) and not (kv == "page" and page == 1)]
 
 
