@@ -65,6 +65,10 @@ def test_lists_derive_from_the_table():
                                     "flashinfer-xqa-graph")
     assert table.runners("ratio_base") == ("flashinfer-graph", "reference", "flashinfer-xqa-graph")
     assert table.runners("check_base") == ("flashinfer-eager", "reference")
+    # The query options: FlashInfer's planned decode takes windows and q_len, not sinks (it drops them).
+    assert table.feature_kernels() == ("pkv-graph", "flashinfer", "flashinfer-tc", "flashinfer-xqa")
+    assert table.feature_takers("sinks") == ("pkv-graph", "flashinfer-xqa")
+    assert table.feature_takers("q_len") == table.feature_takers("window_left") == table.feature_kernels()
     assert table.runners("routed") == ("adaptive",)
 
 

@@ -36,12 +36,20 @@ class EngineInfo:
     tensor_cores: bool = False  # its decode runs on tensor cores
     plan_free: bool = False    # no host plan: the split is decided on the GPU, one CUDA-graph capturable launch
     paper_route: str = ""      # the route kind the paper's claims call its routes ("" where the paper names none)
+    feature_note: str = ""     # why it takes fewer of FEATURES than its kernel's API accepts: the refusal says it
 
 
+FEATURES = ("window_left", "q_len", "sinks")   # the query options (pkv.engines.common.check_queries)
 PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
-FEATURE_OPTIONS = ("validate", "window_left", "q_len", "sinks")   # FlashInfer's planned decode: plan/run pass them
+# FlashInfer's planned decode: plan() takes window_left and q_len (q_len_per_req). Its wrappers'
+# run() also accepts sinks=, but FlashInfer 0.7.2 applies them only on its cudnn and trtllm-gen
+# backends; on SM 9.0 (fa2/fa3: the CUDA-core decode and the tensor-core path) the result is
+# attention without the sinks, with no error. So these rows take no sinks option, and the
+# registry's refusal gives this reason (flashinfer-xqa and pkv-graph apply sinks).
+PLANNED_OPTIONS = ("validate", "window_left", "q_len")
+PLANNED_DROPS_SINKS = "FlashInfer's planned decode drops attention sinks on this path (fa2/fa3 on SM 9.0)"
 GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost", "counter_stride", "spin_ns", "pdl",
-                 "window_left", "q_len", "sinks")
+                 *FEATURES)
 
 ENGINES: dict[str, EngineInfo] = {
     "reference": EngineInfo("reference", "fp32", "Eq. 1 in FP32, one row at a time", "pkv.engines.cpu", cpu=True,
@@ -63,15 +71,16 @@ ENGINES: dict[str, EngineInfo] = {
                             "CUDA-graph capturable", "pkv.engines.graph", cpu=True, fp8=True, route=True,
                             options=GRAPH_OPTIONS, plan_free=True, paper_route="PersistentKV graph"),
     "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores", "pkv.engines.flashinfer",
-                             fp8=True, baseline=True, options=FEATURE_OPTIONS, paper_route="FlashInfer"),
+                             fp8=True, baseline=True, options=PLANNED_OPTIONS, paper_route="FlashInfer",
+                             feature_note=PLANNED_DROPS_SINKS),
     "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores",
-                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=FEATURE_OPTIONS,
-                                tensor_cores=True, paper_route="FlashInfer"),
+                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=PLANNED_OPTIONS,
+                                tensor_cores=True, paper_route="FlashInfer", feature_note=PLANNED_DROPS_SINKS),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)",
                                         "pkv.engines.flashinfer", options=("validate",), paper_route="FlashInfer"),
     "flashinfer-xqa": EngineInfo("flashinfer", "xqa", "FlashInfer's plan-free decode (TensorRT-LLM's XQA kernel), "
                                  "CUDA-graph capturable", "pkv.engines.xqa", fp8=True, baseline=True, plan_free=True,
-                                 options=("max_rows", "hopper_fp8", "validate", "window_left", "q_len", "sinks"),
+                                 options=("max_rows", "hopper_fp8", "validate", *FEATURES),
                                  paper_route="FlashInfer"),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
@@ -169,9 +178,15 @@ def fp8_kernels() -> tuple[str, ...]:
 
 
 def feature_kernels() -> tuple[str, ...]:
-    """The engines that take sliding windows, sinks and q_len (the kernel sweep's features suite):
-    pkv-graph and the FlashInfer paths the sweep measures it against, each passing what FlashInfer has."""
-    return tuple(n for n, e in ENGINES.items() if "q_len" in e.options)
+    """The engines that take any of FEATURES (the kernel sweep's features suite): pkv-graph and the
+    FlashInfer paths the sweep measures it against. A row without one of a case's features refuses
+    it in one line (pkv.engines.registry), and the sweep records that row's error, not a time."""
+    return tuple(n for n, e in ENGINES.items() if set(FEATURES) & set(e.options))
+
+
+def feature_takers(feature: str) -> tuple[str, ...]:
+    """The engines whose options hold `feature` (one of FEATURES), in table order."""
+    return tuple(n for n, e in ENGINES.items() if feature in e.options)
 
 
 def persistentkv(spec: str) -> bool:
