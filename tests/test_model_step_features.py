@@ -1,9 +1,9 @@
 """The model step's sliding-window models and its speculative step (pkv measure model-step), on
 the CPU: the window and sink shapes (ModelShape.window / global_every / sinks), the speculative
 step (model_step.q_lens: q_len query tokens a row), each runner passing every layer's window and
-sinks and the step's q_len, the refusals of a runner that lacks one, the config key and the
-report's label. pkv-graph runs its CPU oracle through the public DecodeWrapper; the FP32
-reference is the baseline.
+sinks and the step's q_len, the refusals of a runner that lacks one (FlashInfer's planned runners
+for a sink model), the config key and the report's label. pkv-graph runs its CPU oracle through
+the public DecodeWrapper; the FP32 reference is the baseline.
 """
 
 from __future__ import annotations
@@ -209,13 +209,26 @@ def test_the_stage_names_a_refused_runner_and_runs_the_rest(monkeypatch):
     assert not frame[frame["kind"] == "step"]["failed"].any()
 
 
-def test_every_gpu_runner_declares_the_three_features():
-    """FlashInfer's graph and eager runners (a wrapper per distinct window), the XQA graph runner
-    (an engine per distinct window), pkv-graph and the reference pass all three; only the router refuses."""
-    for cls in (FlashInferGraphRunner, FlashInferEagerRunner, XqaGraphRunner, mr.PkvGraphRunner,
-                runners.ReferenceRunner):
+def test_each_runner_declares_what_it_passes():
+    """The XQA graph runner (an engine per distinct window), pkv-graph and the reference pass all
+    three; FlashInfer's graph and eager runners (a wrapper per distinct window) pass windows and
+    q_len but no sinks (its planned decode drops them); the router passes none."""
+    for cls in (XqaGraphRunner, mr.PkvGraphRunner, runners.ReferenceRunner):
         assert set(cls.features) == {"window", "sinks", "q_len"}, cls
+    for cls in (FlashInferGraphRunner, FlashInferEagerRunner):
+        assert set(cls.features) == {"window", "q_len"}, cls
     assert mr.AdaptiveRunner.features == () and runners.EngineRunner.features == ()
+
+
+@pytest.mark.parametrize("cls", [FlashInferGraphRunner, FlashInferEagerRunner])
+def test_flashinfers_planned_runners_are_refused_for_a_sink_model(cls):
+    """A sink model's step refuses FlashInfer's planned runners in one line (they would run it
+    without its sinks); a windowed model's speculative step does not."""
+    model = runners.DecoderModel(SHAPES["smoke-swa-sinks"], torch.float16, "cpu", 1)
+    with pytest.raises(runners.Refused, match=rf"^{cls.name}: passes no sinks to its attention "
+                                              r"\(smoke-swa-sinks, q_len 4\): not run$"):
+        cls.check(model, 4)
+    cls.check(runners.DecoderModel(SHAPES["smoke-swa-d256"], torch.float16, "cpu", 1), 4)
 
 
 def test_padding_rows_hold_q_len_tokens():
