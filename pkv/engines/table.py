@@ -217,7 +217,7 @@ class RunnerInfo:
     cpu: bool = False         # in the smoke profile's set (a CPU cache)
     fp8: bool = False         # reads an FP8 cache (the FP8 pass runs only these, and names the others)
     ratio_base: bool = False  # the report's ratios are over the first present of these
-    check_base: bool = False  # the correctness baseline: the first present of these
+    check_base: bool = False  # the correctness baseline: the first present of these (check_base())
     routed: bool = False      # the router: built per bucket, from the frozen constants at its operating point
     package: str = ""         # a package it needs beyond torch, checked before any runner is built
 
@@ -237,7 +237,7 @@ RUNNERS: dict[str, RunnerInfo] = {
     # last, so the runners before it keep their colours and markers in the model-step figure
     "flashinfer-xqa-graph": RunnerInfo("FlashInfer XQA graph path (no plan, replay)",
                                        "pkv.engines.model_flashinfer:XqaGraphRunner", gpu=True, fp8=True,
-                                       ratio_base=True, package="flashinfer"),
+                                       ratio_base=True, check_base=True, package="flashinfer"),
 }
 
 
@@ -245,6 +245,25 @@ def runners(flag: str = "") -> tuple[str, ...]:
     """Model-step runner names in table order: those whose field `flag` is set ("gpu",
     "cpu", "fp8", "ratio_base", ...), or every one."""
     return tuple(n for n, r in RUNNERS.items() if not flag or getattr(r, flag))
+
+
+# The correctness baseline of a pass, in table order: FlashInfer eager (FlashInfer's own planned
+# decode, run eagerly), then the FP32 reference (exact to FP32; on a GPU a loop over rows in
+# torch, so a config names it where it must), then the XQA graph path. XQA is the baseline only
+# where neither ran, as in a sink model's step, which eager refuses because the planned decode
+# drops sinks (PLANNED_DROPS_SINKS). XQA is fit for it there: it applies every feature a step
+# asks for (windows, sinks, q_len), it is an implementation of its own (TensorRT-LLM's, not
+# pkv-graph's), and its 16-bit roundings (the softmax weights and their row sum in 16 bits, the
+# output rounded on its way out: pkv.engines.xqa) are a 16-bit kernel's, inside the step's
+# tolerance on the unit-range caches the step draws (tests/gpu/test_features_gpu.py checks its
+# sinks, windows and q_len against the FP32 reference). Where none of the three ran, the pass is
+# unchecked: its rows carry no rel_err and the report says "unchecked".
+
+
+def check_base(present) -> str | None:
+    """The correctness baseline of a model-step pass: the first check_base runner among `present`
+    (the runners that ran it), or None: the pass is unchecked."""
+    return next((n for n in runners("check_base") if n in present), None)
 
 
 # One engine-spec syntax everywhere (config lists, --engines, Parquet labels):
