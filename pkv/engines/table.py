@@ -42,10 +42,11 @@ class EngineInfo:
 FEATURES = ("window_left", "q_len", "sinks")   # the query options (pkv.engines.common.check_queries)
 PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
 # FlashInfer's planned decode: plan() takes window_left and q_len (q_len_per_req). Its wrappers'
-# run() also accepts sinks=, but FlashInfer 0.7.2 applies them only on its cudnn and trtllm-gen
-# backends; on SM 9.0 (fa2/fa3: the CUDA-core decode and the tensor-core path) the result is
-# attention without the sinks, with no error. So these rows take no sinks option, and the
-# registry's refusal gives this reason (flashinfer-xqa and pkv-graph apply sinks).
+# run() also accepts sinks=, but in FlashInfer 0.7.2 on SM 9.0 (backends fa2/fa3: the CUDA-core
+# decode and the tensor-core path) the result is attention without the sinks, with no error: the
+# CUDA-core kernel is never given them, and the tensor-core path's prefill module is built with
+# no sink option. So these rows take no sinks option, and the registry's refusal gives this reason
+# (flashinfer-xqa and pkv-graph apply sinks).
 PLANNED_OPTIONS = ("validate", "window_left", "q_len")
 PLANNED_DROPS_SINKS = "FlashInfer's planned decode drops attention sinks on this path (fa2/fa3 on SM 9.0)"
 GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost", "counter_stride", "spin_ns", "pdl",
