@@ -277,6 +277,11 @@ def test_a_pass_without_a_baseline_is_visibly_unchecked(capsys):
     assert json.loads(meta["unchecked"]) == names
     assert f"unchecked, no correctness baseline ran: {names}" in capsys.readouterr().err
     assert set(rm.table(rm.speculative(frame))["Check fails"]) == {"unchecked"}
+    first = steps.index[0]   # a step whose output was not finite against a baseline: failed, so checked
+    frame.loc[first, "failed"] = True
+    got = rm.table(rm.speculative(frame)).set_index(["Model", "KV", "Engine"])["Check fails"]
+    row = frame.loc[first]
+    assert got[(row["model"], rm.KV_LABEL[row["kv_dtype"]], row["engine"])] == "1/1"
     assert f"unchecked (no correctness baseline ran): {', '.join(names)}" in rm.provenance_line([meta])
     g = pd.DataFrame({"steps": [3, 3], "checked": [3, 1], "fails": [1, 0]})
     assert rm.checks(g) == "1/4 (2 unchecked)" and rm.checks(g.assign(checked=0)) == "unchecked"

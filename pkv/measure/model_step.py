@@ -368,7 +368,7 @@ def _stage(cfg: Config, k, jobs: list[TraceJob], command: str, sizing: list[Trac
     fails = steps.groupby(["engine", "kv_dtype"])["failed"].sum()
     # A pass without a correctness baseline (table.check_base) is named, not counted as passed.
     unchecked = sorted({f"{r.model}/{r.engine}{pass_tag(r.kv_dtype, r.q_len)}"
-                        for r in steps[steps["rel_err"].isna()].itertuples()})
+                        for r in steps[steps["rel_err"].isna() & ~steps["failed"]].itertuples()})
     print(f"model_step: {len(frame)} rows; correctness failures: "
           f"{', '.join(f'{e}/{d}={int(n)}' for (e, d), n in fails.items())}"
           + (f"; unchecked, no correctness baseline ran: {unchecked}" if unchecked else "")

@@ -94,6 +94,8 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (KEYS, seed, engine): medians over steps, pipelined tok/s, ratios over the base."""
     keys = keys_of(frame)
     steps = frame[frame["kind"] == "step"]
+    # checked: a step with a baseline (a rel_err, or failed where its own output was not finite)
+    steps = steps.assign(checked=steps["rel_err"].notna() | steps["failed"].astype(bool))
     g = steps.groupby([*keys, "seed", "engine"], sort=True, observed=True)
     out = pd.DataFrame({
         "steps": g.size(),
@@ -101,7 +103,7 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
         "device_ms": g["device_s"].median() * 1e3,
         "prepare_us": g["prepare_s"].median() * 1e6,
         "fails": g["failed"].sum(),
-        "checked": g["rel_err"].count(),
+        "checked": g["checked"].sum(),
         "max_rel_err": g["rel_err"].max(),
         "route": g["route"].agg(modal_route),
         "mean_context": g["total_tokens"].sum() / g["active"].sum(),
