@@ -225,6 +225,20 @@ def test_refusals_of_rows_and_engines():
         assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["flashinfer", "flashinfer-tc"])
+def test_flashinfers_planned_decode_refuses_sinks_in_one_line(name):
+    """FlashInfer's planned decode drops sinks on SM 9.0 (fa2/fa3), so its rows take no sinks
+    option: refused by the table's one line, before any device is needed, naming why and the
+    engines that apply them. Windows and q_len pass the table (the CUDA check comes next)."""
+    cache = PagedCache.random(Shape(8, 2, 64, 16, "float16"), assign_pages(np.array([40]), 16, 0.0, 0))
+    with pytest.raises(ValueError, match=r"takes no option\(s\) \['sinks'\]: FlashInfer's planned decode drops "
+                                         r"attention sinks .*take sinks: \['pkv-graph', 'flashinfer-xqa'\]$") as e:
+        make_engine(name, cache, window_left=7, q_len=2, sinks=torch.zeros(8))
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        make_engine(name, cache, window_left=7, q_len=2)
+
+
 def test_the_sweeps_feature_suite():
     """The kernel sweep's feature rows: gpt-oss-like (sinks, sliding and full layers), Gemma-3-like
     (d 256, window 1024) and speculative q_len 2/4/8 over B 1-32 and 1K-32K; a windowed case's
@@ -241,3 +255,34 @@ def test_the_sweeps_feature_suite():
     assert sliding.bytes == 128 * sliding.shape.kv_bytes_per_token
     spec = next(c for c in cases if c.q_len == 4)
     assert spec.feature_options == {"q_len": 4}
+
+
+def test_the_sweep_records_a_refused_feature_as_an_error_row(monkeypatch):
+    """run_case on a gpt-oss-like features case (sinks, a window): FlashInfer's planned decode rows
+    hold the table's refusal as their error and no time; the rows that take the case's options get
+    a time. On the CPU the timing is replaced by building the engine (XQA's row then holds its
+    CUDA check)."""
+    import pkv.bench.kernels as kb
+    from pkv.bench.cases import Case
+    from pkv.engines.table import feature_kernels
+
+    case = next(c for c in kb.SUITES["features"]() if c.sinks and c.window_left >= 0)
+    case = Case(case.family, case.name, (70, 3), num_qo_heads=case.num_qo_heads, num_kv_heads=case.num_kv_heads,
+                head_dim=case.head_dim, window_left=case.window_left, sinks=True, point=case.point)
+    cache = PagedCache.random(case.shape, assign_pages(np.asarray(case.lens), 16, 0.0, 0), device="cpu", seed=1)
+    sinks = torch.randn(case.num_qo_heads)
+    monkeypatch.setattr(kb, "build_caches", lambda c, seed, arena=None: ([cache], [cache.query(c.batch, 2)]))
+    monkeypatch.setattr(Case, "feature_options", property(lambda c: {"window_left": c.window_left, "sinks": sinks}))
+
+    def built(name, options, caches, *_):   # in place of the timed replays: the engine is built, or refused
+        make_engine(name, caches[0], **options)
+        return 1.0
+
+    monkeypatch.setattr(kb, "graph_replay_us", built)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    rows = {r["engine"]: r for r in kb.run_case(case, list(feature_kernels()), 1, 1000.0, 0)}
+    assert rows["pkv-graph"]["graph_us"] == 1.0 and rows["pkv-graph"]["error"] == ""
+    for name in ("flashinfer", "flashinfer-tc"):
+        assert math.isnan(rows[name]["graph_us"])
+        assert "takes no option(s) ['sinks']: FlashInfer's planned decode drops attention sinks" in rows[name]["error"]
+    assert "needs a CUDA device" in rows["flashinfer-xqa"]["error"]

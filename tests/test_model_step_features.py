@@ -1,14 +1,16 @@
 """The model step's sliding-window models and its speculative step (pkv measure model-step), on
 the CPU: the window and sink shapes (ModelShape.window / global_every / sinks), the speculative
 step (model_step.q_lens: q_len query tokens a row), each runner passing every layer's window and
-sinks and the step's q_len, the refusals of a runner that lacks one, the config key and the
-report's label. pkv-graph runs its CPU oracle through the public DecodeWrapper; the FP32
+sinks and the step's q_len, the refusals of a runner that lacks one (FlashInfer's planned runners
+for a sink model), each pass's correctness baseline and a pass without one, the config key and
+the report's label. pkv-graph runs its CPU oracle through the public DecodeWrapper; the FP32
 reference is the baseline.
 """
 
 from __future__ import annotations
 
 import copy
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -21,6 +23,7 @@ from pkv.config.typed import Config
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages, flashinfer_view
 from pkv.engines import model as runners
+from pkv.engines import table
 from pkv.engines.model_flashinfer import (
     FlashInferEagerRunner,
     FlashInferGraphRunner,
@@ -209,13 +212,80 @@ def test_the_stage_names_a_refused_runner_and_runs_the_rest(monkeypatch):
     assert not frame[frame["kind"] == "step"]["failed"].any()
 
 
-def test_every_gpu_runner_declares_the_three_features():
-    """FlashInfer's graph and eager runners (a wrapper per distinct window), the XQA graph runner
-    (an engine per distinct window), pkv-graph and the reference pass all three; only the router refuses."""
-    for cls in (FlashInferGraphRunner, FlashInferEagerRunner, XqaGraphRunner, mr.PkvGraphRunner,
-                runners.ReferenceRunner):
+def test_each_runner_declares_what_it_passes():
+    """The XQA graph runner (an engine per distinct window), pkv-graph and the reference pass all
+    three; FlashInfer's graph and eager runners (a wrapper per distinct window) pass windows and
+    q_len but no sinks (its planned decode drops them); the router passes none."""
+    for cls in (XqaGraphRunner, mr.PkvGraphRunner, runners.ReferenceRunner):
         assert set(cls.features) == {"window", "sinks", "q_len"}, cls
+    for cls in (FlashInferGraphRunner, FlashInferEagerRunner):
+        assert set(cls.features) == {"window", "q_len"}, cls
     assert mr.AdaptiveRunner.features == () and runners.EngineRunner.features == ()
+
+
+@pytest.mark.parametrize("cls", [FlashInferGraphRunner, FlashInferEagerRunner])
+def test_flashinfers_planned_runners_are_refused_for_a_sink_model(cls):
+    """A sink model's step refuses FlashInfer's planned runners in one line (they would run it
+    without its sinks); a windowed model's speculative step does not."""
+    model = runners.DecoderModel(SHAPES["smoke-swa-sinks"], torch.float16, "cpu", 1)
+    with pytest.raises(runners.Refused, match=rf"^{cls.name}: passes no sinks to its attention "
+                                              r"\(smoke-swa-sinks, q_len 4\): not run$"):
+        cls.check(model, 4)
+    cls.check(runners.DecoderModel(SHAPES["smoke-swa-d256"], torch.float16, "cpu", 1), 4)
+
+
+def ran(names, shape, q_len=1):
+    """The runners of `names` a model step of `shape` does not refuse for a feature (Runner.check)."""
+    import importlib
+
+    model = runners.DecoderModel(shape, torch.float16, "cpu", 1)
+    out = []
+    for name in names:
+        module, _, cls = table.RUNNERS[name].runner.partition(":")
+        try:
+            getattr(importlib.import_module(module), cls).check(model, q_len)
+        except runners.Refused:
+            continue
+        out.append(name)
+    return out
+
+
+@pytest.mark.parametrize("shape, base", [("smoke-swa-sinks", "flashinfer-xqa-graph"),
+                                         ("smoke-swa-d256", "flashinfer-eager"), ("smoke", "flashinfer-eager")])
+def test_the_check_base_of_the_gpu_runners(shape, base):
+    """Over every GPU runner: FlashInfer eager checks a windowed or plain model's step; a sink
+    model's, which eager refuses, is checked against XQA's graph path (pkv.engines.table.check_base);
+    with the FP32 reference named, against the reference."""
+    for q_len in (1, 4):
+        present = ran(table.runners("gpu"), SHAPES[shape], q_len)
+        assert table.check_base(present) == base
+        assert table.check_base(ran([*table.runners("gpu"), "reference"], SHAPES[shape], q_len)) == \
+            ("reference" if base != "flashinfer-eager" else base)
+
+
+def test_a_pass_without_a_baseline_is_visibly_unchecked(capsys):
+    """A pass where no check_base runner ran (here pkv-graph alone) is not counted as passed: its
+    steps have no rel_err, the file's metadata and the stage's log line name it, and the report
+    says "unchecked" (and the count where only some steps had a baseline)."""
+    cfg = smoke_cfg(buckets=[2], steps=1, shapes=["smoke-swa-sinks"], kv_dtypes=["auto", "fp8"], q_lens=[1, 2],
+                    engines=["pkv-graph"])
+    frame, meta = ms.model_step(cfg, None, SMOKE["seeds"]["heldout"][0])
+    steps = frame[frame["kind"] == "step"]
+    assert len(steps) and steps["rel_err"].isna().all() and not steps["failed"].any()
+    names = ["smoke-swa-sinks/pkv-graph", "smoke-swa-sinks/pkv-graph/fp8", "smoke-swa-sinks/pkv-graph/fp8/q2",
+             "smoke-swa-sinks/pkv-graph/q2"]
+    assert json.loads(meta["unchecked"]) == names
+    assert f"unchecked, no correctness baseline ran: {names}" in capsys.readouterr().err
+    assert set(rm.table(rm.speculative(frame))["Check fails"]) == {"unchecked"}
+    first = steps.index[0]   # a step whose output was not finite against a baseline: failed, so checked
+    frame.loc[first, "failed"] = True
+    got = rm.table(rm.speculative(frame)).set_index(["Model", "KV", "Engine"])["Check fails"]
+    row = frame.loc[first]
+    assert got[(row["model"], rm.KV_LABEL[row["kv_dtype"]], row["engine"])] == "1/1"
+    assert f"unchecked (no correctness baseline ran): {', '.join(names)}" in rm.provenance_line([meta])
+    g = pd.DataFrame({"steps": [3, 3], "checked": [3, 1], "fails": [1, 0]})
+    assert rm.checks(g) == "1/4 (2 unchecked)" and rm.checks(g.assign(checked=0)) == "unchecked"
+    assert rm.checks(g.assign(checked=3)) == "1/6"
 
 
 def test_padding_rows_hold_q_len_tokens():

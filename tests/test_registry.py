@@ -64,8 +64,23 @@ def test_lists_derive_from_the_table():
     assert table.runners("fp8") == ("pkv-graph", "flashinfer-graph", "flashinfer-eager", "reference",
                                     "flashinfer-xqa-graph")
     assert table.runners("ratio_base") == ("flashinfer-graph", "reference", "flashinfer-xqa-graph")
-    assert table.runners("check_base") == ("flashinfer-eager", "reference")
+    assert table.runners("check_base") == ("flashinfer-eager", "reference", "flashinfer-xqa-graph")
+    # The query options: FlashInfer's planned decode takes windows and q_len, not sinks (it drops them).
+    assert table.feature_kernels() == ("pkv-graph", "flashinfer", "flashinfer-tc", "flashinfer-xqa")
+    assert table.feature_takers("sinks") == ("pkv-graph", "flashinfer-xqa")
+    assert table.feature_takers("q_len") == table.feature_takers("window_left") == table.feature_kernels()
     assert table.runners("routed") == ("adaptive",)
+
+
+def test_the_check_base_is_the_first_that_ran():
+    """A pass is checked against the first check_base runner that ran it: FlashInfer eager, else
+    the FP32 reference, else XQA's graph path (a sink model's step, which eager refuses); none: unchecked."""
+    assert table.check_base(["pkv-graph", "flashinfer-graph", "flashinfer-eager", "flashinfer-xqa-graph"]) == \
+        "flashinfer-eager"
+    assert table.check_base({"pkv-graph", "reference", "flashinfer-xqa-graph"}) == "reference"
+    assert table.check_base({"pkv-graph", "flashinfer-xqa-graph"}) == "flashinfer-xqa-graph"
+    assert table.check_base({"pkv-graph", "flashinfer-graph", "adaptive"}) is None
+    assert table.check_base(()) is None
 
 
 def test_the_table_imports_no_torch():

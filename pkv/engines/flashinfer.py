@@ -58,17 +58,20 @@ class FlashInferEngine(Engine):
     engine pays a gather kernel per step for the page ids; PersistentKV reads the block
     table through request ids and has no such step): `pkv bench host` reports the view's
     cost beside it.
+
+    window_left and q_len go to plan(). It takes no sinks: FlashInfer's planned decode drops
+    them on SM 9.0, so its table rows leave the option out and the registry refuses it
+    (pkv.engines.table.PLANNED_DROPS_SINKS).
     """
 
     VIEW_MEMO = 4   # steps whose views stay cached (the correctness pass, then the timed pass)
 
-    def __init__(self, cache: PagedCache, name: str, validate: bool = True, window_left: int = -1, q_len: int = 1,
-                 sinks=None):
+    def __init__(self, cache: PagedCache, name: str, validate: bool = True, window_left: int = -1, q_len: int = 1):
         super().__init__(cache, validate)
-        check_queries(q_len, window_left, sinks, cache.shape.num_qo_heads, name)
-        if info(name).kind == "persistent" and (window_left >= 0 or q_len > 1 or sinks is not None):
-            raise ValueError(f"{name}: this adapter passes no window, sinks or q_len to BatchAttention")
-        self.window_left, self.q_len, self.sinks = window_left, q_len, sinks
+        check_queries(q_len, window_left, None, cache.shape.num_qo_heads, name)
+        if info(name).kind == "persistent" and (window_left >= 0 or q_len > 1):
+            raise ValueError(f"{name}: this adapter passes no window or q_len to BatchAttention")
+        self.window_left, self.q_len = window_left, q_len
         check_kv(cache.kv, cache.shape)
         if cache.scales is not None and cache.scales.policy != "tensor":
             raise ValueError(f"{name}: FlashInfer reads an FP8 cache with tensor scales only, "
@@ -119,8 +122,6 @@ class FlashInferEngine(Engine):
         c = self.layer(layer)
         # FP8: one K and one V scale per tensor, FlashInfer's convention.
         scales = {} if c.scales is None else {"k_scale": c.scales.k_scale, "v_scale": c.scales.v_scale}
-        if self.sinks is not None:
-            scales["sinks"] = self.sinks
         out = self.wrapper.run(q, c.kv, **scales, **self.launch)
         return out[0] if isinstance(out, tuple) else out
 

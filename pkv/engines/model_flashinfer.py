@@ -89,12 +89,15 @@ def _resolved(wrapper) -> str:
 # sliding window on some, full context on others) gets one wrapper per distinct window (per
 # bucket for the graph path), each with its own workspace and staging (two plans must not share
 # a schedule buffer), all planned every step: what SGLang does for its sliding and full layers.
-# Each layer runs the wrapper of its window with its own sinks; q_len goes to every plan.
+# Each layer runs the wrapper of its window; q_len goes to every plan. The planned decode drops
+# attention sinks on SM 9.0 (pkv.engines.table.PLANNED_DROPS_SINKS), so neither runner declares
+# them: a sink model's step refuses both (Runner.check), and XqaGraphRunner runs it.
+PLANNED_FEATURES = ("window", "q_len")
 
 
 class FlashInferGraphRunner(GraphRunner):
     takes_buckets = True
-    features = ("window", "sinks", "q_len")
+    features = PLANNED_FEATURES
 
     def __init__(self, model, caches, xs, buckets, q_len: int = 1):
         import flashinfer
@@ -121,14 +124,14 @@ class FlashInferGraphRunner(GraphRunner):
         self.route = f"{self.name}/{_resolved(wrapper)}".rstrip("/")
 
     def attend(self, bucket):
-        wrappers, kvs, scales, pdl = self.wrappers[bucket], [c.kv for c in self.caches], self.scales, self.pdl
-        windows, sinks = self.windows, [{} if t is None else {"sinks": t} for t in self.sinks]
-        return lambda i, q: wrappers[windows[i]].run(q, kvs[i], **scales[i], **sinks[i], enable_pdl=pdl)
+        wrappers, kvs, scales, pdl, windows = (self.wrappers[bucket], [c.kv for c in self.caches], self.scales,
+                                               self.pdl, self.windows)
+        return lambda i, q: wrappers[windows[i]].run(q, kvs[i], **scales[i], enable_pdl=pdl)
 
 
 class FlashInferEagerRunner(Runner):
     takes_buckets = True
-    features = ("window", "sinks", "q_len")
+    features = PLANNED_FEATURES
 
     def __init__(self, model, caches, xs, buckets, q_len: int = 1):
         import flashinfer
@@ -150,9 +153,8 @@ class FlashInferEagerRunner(Runner):
 
     def launch(self, step, bucket):
         kvs, scales, windows = [c.kv for c in self.caches], self.scales, self.windows
-        sinks = [{} if t is None else {"sinks": t} for t in self.sinks]
         return self.model.forward(self.xs[bucket][:self.tokens(step)],
-                                  lambda i, q: self.wrappers[windows[i]].run(q, kvs[i], **scales[i], **sinks[i],
+                                  lambda i, q: self.wrappers[windows[i]].run(q, kvs[i], **scales[i],
                                                                              enable_pdl=self.pdl))
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import importlib
 
-from pkv.engines.table import ENGINES, cpu_engines, fp8_readers, info, is_router
+from pkv.engines.table import FEATURES, cpu_engines, feature_takers, fp8_readers, info, is_router
 
 
 def build(name: str, cache, policy=None, **options):
@@ -18,10 +18,11 @@ def build(name: str, cache, policy=None, **options):
     e = info(name)
     if cache.shape.fp8 and not e.fp8:
         raise ValueError(f"engine {name!r} does not read an FP8 KV cache; those that do: {list(fp8_readers())}")
-    features = sorted(set(options) & {"window_left", "q_len", "sinks"} - set(e.options))
+    features = [f for f in FEATURES if f in options and f not in e.options]
     if features:
-        raise ValueError(f"engine {name!r} takes no option(s) {features}: sliding windows, sinks and q_len query "
-                         f"tokens per row are taken by {sorted(n for n, i in ENGINES.items() if 'q_len' in i.options)}")
+        why = f"{e.feature_note}; " if e.feature_note else ""
+        raise ValueError(f"engine {name!r} takes no option(s) {features}: {why}" + "; ".join(
+            f"the engines that take {f}: {list(feature_takers(f))}" for f in features))
     if not cache.kv.is_cuda and not e.cpu:
         raise ValueError(f"engine {name!r} needs a CUDA device; on the CPU use one of "
                          f"{sorted(n for n in cpu_engines() if not is_router(n))}")

@@ -36,12 +36,21 @@ class EngineInfo:
     tensor_cores: bool = False  # its decode runs on tensor cores
     plan_free: bool = False    # no host plan: the split is decided on the GPU, one CUDA-graph capturable launch
     paper_route: str = ""      # the route kind the paper's claims call its routes ("" where the paper names none)
+    feature_note: str = ""     # why it takes fewer of FEATURES than its kernel's API accepts: the refusal says it
 
 
+FEATURES = ("window_left", "q_len", "sinks")   # the query options (pkv.engines.common.check_queries)
 PKV_OPTIONS = ("indexed_qo", "row_local", "early_exit", "cluster_merge", "validate", "num_sms", "splits")
-FEATURE_OPTIONS = ("validate", "window_left", "q_len", "sinks")   # FlashInfer's planned decode: plan/run pass them
+# FlashInfer's planned decode: plan() takes window_left and q_len (q_len_per_req). Its wrappers'
+# run() also accepts sinks=, but in FlashInfer 0.7.2 on SM 9.0 (backends fa2/fa3: the CUDA-core
+# decode and the tensor-core path) the result is attention without the sinks, with no error: the
+# CUDA-core kernel is never given them, and the tensor-core path's prefill module is built with
+# no sink option. So these rows take no sinks option, and the registry's refusal gives this reason
+# (flashinfer-xqa and pkv-graph apply sinks).
+PLANNED_OPTIONS = ("validate", "window_left", "q_len")
+PLANNED_DROPS_SINKS = "FlashInfer's planned decode drops attention sinks on this path (fa2/fa3 on SM 9.0)"
 GRAPH_OPTIONS = ("max_rows", "ctas_per_sm", "min_tiles", "num_sms", "piece_cost", "counter_stride", "spin_ns", "pdl",
-                 "window_left", "q_len", "sinks", "short_tiles")
+                 "short_tiles", *FEATURES)
 
 ENGINES: dict[str, EngineInfo] = {
     "reference": EngineInfo("reference", "fp32", "Eq. 1 in FP32, one row at a time", "pkv.engines.cpu", cpu=True,
@@ -63,15 +72,16 @@ ENGINES: dict[str, EngineInfo] = {
                             "CUDA-graph capturable", "pkv.engines.graph", cpu=True, fp8=True, route=True,
                             options=GRAPH_OPTIONS, plan_free=True, paper_route="PersistentKV graph"),
     "flashinfer": EngineInfo("flashinfer", "decode", "FlashInfer paged decode, CUDA cores", "pkv.engines.flashinfer",
-                             fp8=True, baseline=True, options=FEATURE_OPTIONS, paper_route="FlashInfer"),
+                             fp8=True, baseline=True, options=PLANNED_OPTIONS, paper_route="FlashInfer",
+                             feature_note=PLANNED_DROPS_SINKS),
     "flashinfer-tc": EngineInfo("flashinfer", "decode-tc", "FlashInfer paged decode, tensor cores",
-                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=FEATURE_OPTIONS,
-                                tensor_cores=True, paper_route="FlashInfer"),
+                                "pkv.engines.flashinfer", fp8=True, baseline=True, options=PLANNED_OPTIONS,
+                                tensor_cores=True, paper_route="FlashInfer", feature_note=PLANNED_DROPS_SINKS),
     "flashinfer-persistent": EngineInfo("flashinfer", "persistent", "FlashInfer BatchAttention (persistent kernel)",
                                         "pkv.engines.flashinfer", options=("validate",), paper_route="FlashInfer"),
     "flashinfer-xqa": EngineInfo("flashinfer", "xqa", "FlashInfer's plan-free decode (TensorRT-LLM's XQA kernel), "
                                  "CUDA-graph capturable", "pkv.engines.xqa", fp8=True, baseline=True, plan_free=True,
-                                 options=("max_rows", "hopper_fp8", "validate", "window_left", "q_len", "sinks"),
+                                 options=("max_rows", "hopper_fp8", "validate", *FEATURES),
                                  paper_route="FlashInfer"),
     "sdpa-repack": EngineInfo("sdpa", "repack", "gather each row's pages, then torch SDPA", "pkv.engines.sdpa",
                               ablation=True, options=("validate",)),
@@ -169,9 +179,15 @@ def fp8_kernels() -> tuple[str, ...]:
 
 
 def feature_kernels() -> tuple[str, ...]:
-    """The engines that take sliding windows, sinks and q_len (the kernel sweep's features suite):
-    pkv-graph and the FlashInfer paths the sweep measures it against, each passing what FlashInfer has."""
-    return tuple(n for n, e in ENGINES.items() if "q_len" in e.options)
+    """The engines that take any of FEATURES (the kernel sweep's features suite): pkv-graph and the
+    FlashInfer paths the sweep measures it against. A row without one of a case's features refuses
+    it in one line (pkv.engines.registry), and the sweep records that row's error, not a time."""
+    return tuple(n for n, e in ENGINES.items() if set(FEATURES) & set(e.options))
+
+
+def feature_takers(feature: str) -> tuple[str, ...]:
+    """The engines whose options hold `feature` (one of FEATURES), in table order."""
+    return tuple(n for n, e in ENGINES.items() if feature in e.options)
 
 
 def persistentkv(spec: str) -> bool:
@@ -202,7 +218,7 @@ class RunnerInfo:
     cpu: bool = False         # in the smoke profile's set (a CPU cache)
     fp8: bool = False         # reads an FP8 cache (the FP8 pass runs only these, and names the others)
     ratio_base: bool = False  # the report's ratios are over the first present of these
-    check_base: bool = False  # the correctness baseline: the first present of these
+    check_base: bool = False  # the correctness baseline: the first present of these (check_base())
     routed: bool = False      # the router: built per bucket, from the frozen constants at its operating point
     package: str = ""         # a package it needs beyond torch, checked before any runner is built
 
@@ -222,7 +238,7 @@ RUNNERS: dict[str, RunnerInfo] = {
     # last, so the runners before it keep their colours and markers in the model-step figure
     "flashinfer-xqa-graph": RunnerInfo("FlashInfer XQA graph path (no plan, replay)",
                                        "pkv.engines.model_flashinfer:XqaGraphRunner", gpu=True, fp8=True,
-                                       ratio_base=True, package="flashinfer"),
+                                       ratio_base=True, check_base=True, package="flashinfer"),
 }
 
 
@@ -230,6 +246,25 @@ def runners(flag: str = "") -> tuple[str, ...]:
     """Model-step runner names in table order: those whose field `flag` is set ("gpu",
     "cpu", "fp8", "ratio_base", ...), or every one."""
     return tuple(n for n, r in RUNNERS.items() if not flag or getattr(r, flag))
+
+
+# The correctness baseline of a pass, in table order: FlashInfer eager (FlashInfer's own planned
+# decode, run eagerly), then the FP32 reference (exact to FP32; on a GPU a loop over rows in
+# torch, so a config names it where it must), then the XQA graph path. XQA is the baseline only
+# where neither ran, as in a sink model's step, which eager refuses because the planned decode
+# drops sinks (PLANNED_DROPS_SINKS). XQA is fit for it there: it applies every feature a step
+# asks for (windows, sinks, q_len), it is an implementation of its own (TensorRT-LLM's, not
+# pkv-graph's), and its 16-bit roundings (the softmax weights and their row sum in 16 bits, the
+# output rounded on its way out: pkv.engines.xqa) are a 16-bit kernel's, inside the step's
+# tolerance on the unit-range caches the step draws (tests/gpu/test_features_gpu.py checks its
+# sinks, windows and q_len against the FP32 reference). Where none of the three ran, the pass is
+# unchecked: its rows carry no rel_err and the report says "unchecked".
+
+
+def check_base(present) -> str | None:
+    """The correctness baseline of a model-step pass: the first check_base runner among `present`
+    (the runners that ran it), or None: the pass is unchecked."""
+    return next((n for n in runners("check_base") if n in present), None)
 
 
 # One engine-spec syntax everywhere (config lists, --engines, Parquet labels):

@@ -19,8 +19,11 @@ Each trace is served by pkv.core.harness continuous batching at max_active = eac
 runs in the smallest bucket >= B, padded, as serving engines pad to their capture sizes.
 Engines (pkv.engines.model): `pkv-graph` (the public DecodeWrapper: one update() a step,
 the whole step one CUDA graph per bucket), `flashinfer-graph` (plan() every step, replay),
-`flashinfer-eager` (the correctness baseline), `adaptive` (the router, layers eager); on a
-CPU (smoke) `pkv-graph` runs its CPU oracle through the same API and `reference` is FP32.
+`flashinfer-eager`, `adaptive` (the router, layers eager); on a CPU (smoke) `pkv-graph` runs
+its CPU oracle through the same API and `reference` is FP32. Each pass's correctness baseline
+is the first that ran of flashinfer-eager, reference and flashinfer-xqa-graph
+(pkv.engines.table.check_base); a pass where none ran is unchecked: its rows' rel_err is NaN
+and the file's metadata `unchecked` names them.
 
 Windowed and sink models (ModelShape.window, global_every, sinks) and the speculative step
 (model_step.q_lens: each q_len > 1 a pass whose rows carry q_len query tokens): every runner
@@ -118,7 +121,7 @@ def measure_job(plan: ModelStepPlan, model: DecoderModel, caches: list[PagedCach
     ms, s = model.shape, caches[0].shape
     labels = list(runners)
     fp8 = s.fp8
-    baseline = next((b for b in table.runners("check_base") if b in runners), None)   # the first present
+    baseline = table.check_base(runners)   # None: the pass is unchecked (rel_err NaN), named by the stage
     tol = FP8_TOLERANCE if fp8 else TOLERANCE[s.dtype]
     buckets = [bucket_of(st.active, plan.buckets) for st in steps]
     base = {"stage": "model_step", "model": ms.name, "layers": ms.layers, "hidden": ms.hidden,
@@ -289,10 +292,14 @@ def _serve_trace(plan: ModelStepPlan, model: DecoderModel, job: TraceJob, layout
             for e in sorted(set(plan.engines) - set(engines)):
                 dropped.setdefault(f"{e}/fp8", "reads no FP8 KV cache (its routes read 16-bit KV): not in the FP8 rows")
         for q_len in plan.q_lens:     # 1: decode; > 1: the speculative step, q_len query tokens a row
-            tag = "" if kv_dtype == "auto" else f"/{kv_dtype}"
-            tag += "" if q_len == 1 else f"/q{q_len}"
+            tag = pass_tag(kv_dtype, q_len)
             _serve_pass(plan, model, job, layout, caches, engines, q_len, tag, fallback, clock, start, refs, rows,
                         dropped, log)
+
+
+def pass_tag(kv_dtype: str, q_len: int) -> str:
+    """What a pass adds to the names of its runners in the file's metadata: "", "/fp8", "/q4", "/fp8/q4"."""
+    return ("" if kv_dtype == "auto" else f"/{kv_dtype}") + ("" if q_len == 1 else f"/q{q_len}")
 
 
 def _serve_pass(plan, model, job, layout, caches, engines, q_len, tag, fallback, clock, start, refs, rows, dropped,
@@ -359,14 +366,19 @@ def _stage(cfg: Config, k, jobs: list[TraceJob], command: str, sizing: list[Trac
         raise RuntimeError(f"model_step: nothing was measured ({json.dumps(dropped)})")
     steps = frame[frame["kind"] == "step"]
     fails = steps.groupby(["engine", "kv_dtype"])["failed"].sum()
+    # A pass without a correctness baseline (table.check_base) is named, not counted as passed.
+    unchecked = sorted({f"{r.model}/{r.engine}{pass_tag(r.kv_dtype, r.q_len)}"
+                        for r in steps[steps["rel_err"].isna() & ~steps["failed"]].itertuples()})
     print(f"model_step: {len(frame)} rows; correctness failures: "
           f"{', '.join(f'{e}/{d}={int(n)}' for (e, d), n in fails.items())}"
+          + (f"; unchecked, no correctness baseline ran: {unchecked}" if unchecked else "")
           + (f"; dropped: {dropped}" if dropped else ""), file=sys.stderr)
     meta = {"command": command, "method": METHOD, "tolerance": json.dumps({**TOLERANCE, "fp8": FP8_TOLERANCE}),
             "buckets": json.dumps(plan.buckets), "engines": json.dumps(plan.engines),
             "shapes": json.dumps([s.name for s in plan.shapes]), "kv_dtypes": json.dumps(plan.kv_dtypes),
             "steps_per_job": str(plan.steps), "repeats": str(plan.repeats), "skipped": "[]",
-            "engine_errors": json.dumps(dropped), "memory_note": KV_NOTE, "kv_memory": json.dumps(memory),
+            "engine_errors": json.dumps(dropped), "unchecked": json.dumps(unchecked), "memory_note": KV_NOTE,
+            "kv_memory": json.dumps(memory),
             "simulated_layers": json.dumps(simulated),
             "trace_sha256": json.dumps({j.name: j.trace.checksum() for j in jobs})}
     return frame, meta

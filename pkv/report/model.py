@@ -94,6 +94,8 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
     """One row per (KEYS, seed, engine): medians over steps, pipelined tok/s, ratios over the base."""
     keys = keys_of(frame)
     steps = frame[frame["kind"] == "step"]
+    # checked: a step with a baseline (a rel_err, or failed where its own output was not finite)
+    steps = steps.assign(checked=steps["rel_err"].notna() | steps["failed"].astype(bool))
     g = steps.groupby([*keys, "seed", "engine"], sort=True, observed=True)
     out = pd.DataFrame({
         "steps": g.size(),
@@ -101,7 +103,7 @@ def per_seed(frame: pd.DataFrame) -> pd.DataFrame:
         "device_ms": g["device_s"].median() * 1e3,
         "prepare_us": g["prepare_s"].median() * 1e6,
         "fails": g["failed"].sum(),
-        "checked": g["rel_err"].count(),
+        "checked": g["checked"].sum(),
         "max_rel_err": g["rel_err"].max(),
         "route": g["route"].agg(modal_route),
         "mean_context": g["total_tokens"].sum() / g["active"].sum(),
@@ -160,9 +162,18 @@ def table(frame: pd.DataFrame) -> pd.DataFrame:
             **({f"Device × {base} 16-bit": mean_sd(g["device_x16"])} if kv else {}),
             "Prepare µs": num(g["prepare_us"].median(), ".1f"),
             **({"Rel err (max)": num(g["max_rel_err"].max(), ".1e")} if kv else {}),
-            "Check fails": f"{int(g['fails'].sum())}/{int(g['checked'].sum())}",
+            "Check fails": checks(g),
         })
     return pd.DataFrame(rows)
+
+
+def checks(g: pd.DataFrame) -> str:
+    """"fails/checked" over per_seed rows; "unchecked" where no step had a correctness baseline
+    (pkv.engines.table.check_base), and the unchecked count where some had none."""
+    checked, steps = int(g["checked"].sum()), int(g["steps"].sum())
+    if not checked:
+        return "unchecked"
+    return f"{int(g['fails'].sum())}/{checked}" + (f" ({steps - checked} unchecked)" if checked < steps else "")
 
 
 def t_model_step(raw) -> pd.DataFrame:
@@ -178,8 +189,10 @@ CAPTION = ("Each trace is served at max_active = {buckets} (continuous batching)
            "runs step t). Ratios over FlashInfer's CUDA-graph path (flashinfer-graph{xqa}; the FP32 reference on "
            "the CPU) as speed-ups (> 1 = faster; mean±std over seeds). Prepare µs: the host prepare()/plan() of one "
            "step. Check fails / checked: steps whose final hidden state left the tolerance against the "
-           "correctness baseline's (FlashInfer eager; the FP32 reference on the CPU) for the same input. Every "
-           "layer reads the same KV cache (one cache's bytes, the same bytes per layer as a real model).")
+           "correctness baseline's for the same input, the first that ran of FlashInfer eager, the FP32 reference "
+           "(on the CPU) and the XQA graph path (a sink model's: FlashInfer's planned decode drops sinks); "
+           "unchecked: none of them ran. Every layer reads the same KV cache (one cache's bytes, the same bytes "
+           "per layer as a real model).")
 XQA_CAPTION = (", or its plan-free XQA graph path flashinfer-xqa-graph where that is faster, per seed and timing: "
                "the winner is named in `FlashInfer path`")
 # Per-layer KV runs (files with kv_dtype): the same table plus the KV dtype, FP8's accuracy and ratio.
@@ -200,6 +213,9 @@ def provenance_line(metas: list[dict]) -> str:
     dropped = sorted({f"{k} ({v})" for m in metas for k, v in _json_dict(m.get("engine_errors", "{}")).items()})
     if dropped:
         parts.append(f"not measured: {'; '.join(dropped)}")
+    unchecked = sorted({u for m in metas for u in _json_list(m.get("unchecked", "[]"))})
+    if unchecked:
+        parts.append(f"unchecked (no correctness baseline ran): {', '.join(unchecked)}")
     simulated = sorted({f"{k}: {v}" for m in metas for k, v in _json_dict(m.get("simulated_layers", "{}")).items()})
     if simulated:
         parts.append(f"simulated layers: {'; '.join(simulated)}")

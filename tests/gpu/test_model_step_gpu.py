@@ -1,7 +1,9 @@
 """The model-level decode step on the GPU (pkv measure model-step): per-layer KV, the whole
 N-layer step captured once per bucket (pkv-graph through the public DecodeWrapper, and
 FlashInfer's CUDA-graph path) and replayed over ragged, padded steps, checked at every step
-against FlashInfer eager on the 16-bit cache, on the 16-bit and on the FP8 cache.
+against the correctness baseline on the 16-bit cache (FlashInfer eager; for a sink model, which
+FlashInfer's planned decode would run without its sinks, XQA's graph path), on the 16-bit and on
+the FP8 cache.
 
 Small shapes (4 layers) so the tests take seconds; the benchmark itself is the stage
 (`pkv measure model-step --seed S`, workflow/rules/model.smk).
@@ -9,6 +11,7 @@ Small shapes (4 layers) so the tests take seconds; the benchmark itself is the s
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +24,7 @@ from pkv.config.typed import Config
 from pkv.core.harness import StepState
 from pkv.core.paging import assign_pages
 from pkv.engines import model as runners
+from pkv.engines import table
 from pkv.measure import model_plan as mp
 from pkv.measure import model_runners as mr
 from pkv.measure import model_step as ms
@@ -138,19 +142,42 @@ def test_steps_the_router_sends_to_pkv_graph_replay_its_captured_graph():
 
 
 FEATURE_RUNNERS = ["pkv-graph", "flashinfer-graph", "flashinfer-xqa-graph", "flashinfer-eager"]
+# A sink logit adds exp(sink) to its head's softmax denominator. Drawn N(0, 1) (DecoderModel), it
+# is lost beside the exp of a row's 1.5K-65K N(0, 1) scores: on the CPU (FP32 reference, this
+# file's bimodal trace, the first B8 and B32 steps, tiny-swa-sinks) dropping the sinks moves the
+# final state by 2.3e-3, inside fp16's tolerance of 1e-2. Shifted by ln 128 + 1/2, a sink weighs
+# about as much as a 128-token window's keys (e^(1/2) each), and dropping the sinks moves the
+# final state by 0.13 (dropping the windows, by 0.13 too).
+SINK_SHIFT = math.log(128) + 0.5
 
 
-@pytest.mark.parametrize("shape", [
-    # gpt-oss-like: GQA-8 d 64, sinks, window 128 on alternate layers
-    runners.ModelShape("tiny-swa-sinks", 4, 8 * 64, 8, 1, 64, 2048, window=128, global_every=2, sinks=True),
+class HeavySinks(runners.DecoderModel):
+    """The decoder with every layer's sinks shifted by SINK_SHIFT: a runner that drops them fails the check."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for layer in self.layers:
+            if layer.sinks is not None:
+                layer.sinks += SINK_SHIFT
+
+
+@pytest.mark.parametrize("shape, base", [
+    # gpt-oss-like: GQA-8 d 64, sinks, window 128 on alternate layers; FlashInfer's planned runners
+    # refuse it (its planned decode drops sinks), so XQA's graph path is the check base
+    pytest.param(runners.ModelShape("tiny-swa-sinks", 4, 8 * 64, 8, 1, 64, 2048, window=128, global_every=2,
+                                    sinks=True), "flashinfer-xqa-graph", id="tiny-swa-sinks"),
     # Gemma-3-like: GQA-2 d 256, window 1024 on 3 layers of 4
-    runners.ModelShape("tiny-swa-d256", 4, 4 * 256, 4, 2, 256, 2048, window=1024, global_every=4),
-], ids=lambda m: m.name)
-def test_windowed_and_speculative_steps_match_flashinfer_eager(shape):
-    """Each layer's window and sinks, decode and a speculative step of 4 tokens a row, 16-bit and
-    FP8, every GPU runner that has the features: every step that ran within the tolerance of
-    FlashInfer eager's. A runner refused or dropped is named (printed) and pkv-graph must run on
-    16-bit; a pass where the eager baseline did not run is unchecked, so the test asserts it ran."""
+    pytest.param(runners.ModelShape("tiny-swa-d256", 4, 4 * 256, 4, 2, 256, 2048, window=1024, global_every=4),
+                 "flashinfer-eager", id="tiny-swa-d256"),
+])
+def test_windowed_and_speculative_steps_match_the_check_base(shape, base, monkeypatch):
+    """Each layer's window and sinks (heavy: HeavySinks), decode and a speculative step of 4 tokens
+    a row, 16-bit and FP8, every GPU runner that has the features: every step that ran within the
+    tolerance of the pass's check base (pkv.engines.table.check_base: FlashInfer eager, or for the
+    sink model XQA's graph path). A runner refused or dropped is named (printed); pkv-graph and the
+    base must run on 16-bit (a pass without its base is unchecked), and for the sink model the
+    planned FlashInfer runners must have been refused, not run without the sinks."""
+    monkeypatch.setattr(ms, "DecoderModel", HeavySinks)
     dropped = {}
     frame = ms.run(plan(shape, ["auto", "fp8"], FEATURE_RUNNERS, q_lens=(1, 4)), log=print, dropped=dropped)
     print("dropped:", dropped)
@@ -159,7 +186,11 @@ def test_windowed_and_speculative_steps_match_flashinfer_eager(shape):
     auto = steps[steps["kv_dtype"] == "auto"]
     for q_len in (1, 4):
         ran = set(auto[auto["q_len"] == q_len]["engine"])
-        assert {"pkv-graph", "flashinfer-eager"} <= ran, (q_len, ran, dropped)
+        assert {"pkv-graph", base} <= ran and table.check_base(ran) == base, (q_len, ran, dropped)
+    if shape.sinks:
+        planned = [f"{shape.name}/{r}{tag}" for r in ("flashinfer-graph", "flashinfer-eager") for tag in ("", "/q4")]
+        assert all("passes no sinks" in dropped.get(k, "") for k in planned), dropped
+        assert not set(steps["engine"]) & {"flashinfer-graph", "flashinfer-eager"}
     bad = steps[steps["failed"]]
     assert bad.empty, bad[["trace", "kv_dtype", "q_len", "max_active", "step", "engine", "rel_err"]].to_string()
     assert auto["rel_err"].notna().all() and (auto["rel_err"] < ms.TOLERANCE["float16"]).all()
