@@ -129,6 +129,17 @@ def test_the_committed_reference_config_keeps_its_hash_and_tables():
     assert REPO / "results" / "tables" / "feature_kernels.md" not in targets(REPO / "results")
 
 
+def test_the_next_reference_runs_section_is_written_out_in_config_yaml():
+    """config.yaml's comment holds the section the next reference run adds: it validates and names
+    pkv-graph and every FlashInfer path that takes the features."""
+    line = next(ln for ln in (REPO / "config.yaml").read_text().splitlines() if ln.startswith("#   feature_kernels:"))
+    section = yaml.safe_load(line.lstrip("#"))
+    assert section["feature_kernels"]["engines"] == list(table.feature_kernels())
+    cfg = effective(RAW, "paper", section)
+    validate_config(cfg, load_schema())
+    check_config(cfg)
+
+
 def test_the_section_validates_and_refuses_an_engine_without_the_features():
     for cfg in (SMOKE, effective(RAW, "paper", SECTION)):
         validate_config(cfg, load_schema())
