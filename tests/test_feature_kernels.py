@@ -1,4 +1,4 @@
-"""The kernel sweep's features rows (issue 50) on the CPU: their table from a synthetic Parquet
+"""The kernel sweep's features rows on the CPU: their table from a synthetic Parquet
 (pkv.report.features: the fastest FlashInfer path that ran a row's features, the winner, a row
 without a baseline never a win), the config section that puts the stage in `all` (the smoke
 profile's has one, the committed reference config not, its hash unchanged), and the bench's

@@ -149,7 +149,7 @@ STAGES: dict[str, Stage] = {
     "calibration": Stage(None, raw=False, rules=("freeze_config", "calibrate_device")),
     "kernels": Stage(None, rules=("bench_kernels",), suites=("homogeneous", "ragged", "shapes")),
     "fp8_kernels": Stage(None, rules=("bench_fp8_kernels",), suites=("fp8",)),
-    # Sliding windows, sinks and q_len (issue 50): in `all` where the config has a feature_kernels section.
+    # Sliding windows, sinks and q_len: in `all` where the config has a feature_kernels section.
     "feature_kernels": Stage(None, rules=("bench_feature_kernels",), suites=("features",)),
     "fp8_accuracy": Stage(None, rules=("bench_fp8_accuracy",)),
     "host": Stage(None, rules=("bench_host",), seeds="heldout"),   # pkv bench host: its active sets' lengths

@@ -79,7 +79,7 @@ def summary(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def bar_lines(s: pd.DataFrame) -> list[str]:
-    """Issue 50's acceptance, as measured: pkv-graph at >= 1.0 of the fastest FlashInfer path that
+    """The features rows' bar, as measured: pkv-graph at >= 1.0 of the fastest FlashInfer path that
     has the feature, over the rows that have such a path."""
     based = s[s.path != ""]
     met = based[based.ratio >= 1.0]
