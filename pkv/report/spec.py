@@ -96,7 +96,7 @@ TABLE_SPECS = {
                              "pkv-graph over an FP8 cache against FlashInfer's FP8 and 16-bit decode and pkv-graph's "
                              "16-bit decode, device time, with the FP8 issue's bars as measured.", ("fp8_kernels",), (),
                              render="fp8_kernels_md", profiles=("paper",)),
-    "feature_kernels": TableSpec("Decode kernels with today's models' attention features, device time",
+    "feature_kernels": TableSpec("Decode kernels with sliding windows, sinks and q_len, device time",
                                  "pkv-graph against the fastest FlashInfer path that ran each row's features (sliding "
                                  "window, sinks, q_len query tokens per row); a path that refused them is no "
                                  "candidate, a row that none ran has no baseline.", ("feature_kernels",), (),
