@@ -19,7 +19,7 @@ TABLE = PKG / "engines" / "table.py"
 OTHER_MEANINGS = {
     "flashinfer": ("the flashinfer package: its module and the provenance key of its version",
                    {"core/io.py", "report/compare.py", "report/notes.py", "report/fp8.py", "report/host.py",
-                    "report/kernels.py", "bench/splits.py", "cli/worker_serve.py"}),
+                    "report/kernels.py", "report/features.py", "bench/splits.py", "cli/worker_serve.py"}),
     "reference": ("the reference run (config run=reference, pkv compare's reference side)",
                   {"config/runs.py", "report/compare.py"}),
 }

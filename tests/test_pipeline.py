@@ -241,19 +241,20 @@ def test_parquet_schema_provenance_and_seeds(smoke):
     files = sorted((root / "raw").rglob("*.parquet"))
     stages = {f.parent.name for f in files}
     stress = {"external_stress"} if cfg["external"].get("stress_scale") else set()   # EXTERNAL_REPLAYS
+    # kernels: the features sweep's rows (the smoke profile's feature_kernels section)
     assert stages == {"calibrate", "serve", "isolated", "split_sensitivity", "b4_sweep", "gqa_sweep", "raggedness",
-                      "implementation", "mlp_proxy", "external", "host", "model_step", *stress}
+                      "implementation", "mlp_proxy", "external", "host", "model_step", "kernels", *stress}
     for f in files:
         schema = pq.read_schema(f)
         if f.parent.name == "model_step":   # the model step's own rows (pkv.measure.model_step)
             assert schema.names == list(MODEL_STEP_COLUMNS), f
-        elif f.parent.name != "host":   # the host benchmark's own rows (pkv bench host), not the loop's
+        elif f.parent.name not in ("host", "kernels"):   # the benchmarks' own rows (pkv bench), not the loop's
             assert schema.names == list(COLUMNS), f
         meta = read_meta(f)
         assert set(PROVENANCE_KEYS) <= set(meta), f
         assert meta["profile"] == "smoke" and meta["gpu"] == "cpu"
         assert meta["config_hash"] == config_hash(cfg)
-        if f.parent.name != "calibrate":
+        if f.parent.name not in ("calibrate", "kernels"):   # the kernel benchmark routes nothing: no constants
             assert meta["constants_hash"] == file_hash(constants)
     cal = pq.read_table(root / "raw" / "calibrate" / "calibration.parquet").to_pandas()
     assert set(cal["seed"]) == {CALIBRATION}

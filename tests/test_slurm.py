@@ -138,6 +138,21 @@ def test_paper_dry_run_fans_out_with_gpu_requests(paper_dry_run):
         assert (res.get("gpu_model") == GPU_TYPE) == (res.get("gpu") == "1"), (rule, res)
 
 
+def test_the_pin_profile_names_every_rule_that_asks_for_a_gpu():
+    """Every rule of workflow/rules/ with `gpu=1`, in `all` of a profile or a named target, has its
+    entry in profiles/slurm/h200 (the dry run above sees only the rules of the paper `all`)."""
+    import yaml
+
+    gpu = set()
+    for smk in (REPO / "workflow" / "rules").glob("*.smk"):
+        for block in re.split(r"^(?=rule \w+:)", smk.read_text(), flags=re.M):
+            name = re.match(r"rule (\w+):", block)
+            if name and re.search(r"^\s+gpu=1,", block, flags=re.M):
+                gpu.add(name.group(1))
+    pinned = yaml.safe_load((REPO / "profiles" / "slurm" / "h200" / "config.yaml").read_text())["set-resources"]
+    assert "bench_feature_kernels" in gpu and gpu == set(pinned), gpu ^ set(pinned)
+
+
 # ---------------------------------------------------------------- the cluster
 
 

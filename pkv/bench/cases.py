@@ -52,7 +52,8 @@ class Case:
 
     @property
     def feature_options(self) -> dict:
-        """The engine options of the case's attention (windows, q_len, sinks); {} for plain decode."""
+        """The engine options of the case's attention (windows, q_len, sinks); {} for plain decode. The
+        sinks are a float32 tensor on the CPU (the bench puts it on its device)."""
         import torch
 
         out = {}
@@ -62,7 +63,7 @@ class Case:
             out["q_len"] = self.q_len
         if self.sinks:
             gen = torch.Generator().manual_seed(len(self.lens))
-            out["sinks"] = (torch.randn(self.num_qo_heads, generator=gen) * 2).to("cuda")
+            out["sinks"] = torch.randn(self.num_qo_heads, generator=gen) * 2
         return out
 
 
@@ -129,17 +130,19 @@ class KvArena:
         return [self.buf[start + i * step:start + i * step + one].view(dtype).view(dims) for i in range(count)]
 
 
-def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | None = None):
+def build_caches(case: Case, seed: int, device: str = "cuda", arena: KvArena | None = None,
+                 copies: int | None = None):
     """Independent copies of the case's cache (own K,V bytes and page permutation) and a
-    query batch for each: rotated per call so the working set is far beyond the L2. With an
-    arena, the copies' pools are its memory (filled in place; an FP8 case's e4m3 pools too)."""
+    query batch for each: rotated per call so the working set is far beyond the L2 (`copies`:
+    copies_for(case) unless given). With an arena, the copies' pools are its memory (filled in
+    place; an FP8 case's e4m3 pools too)."""
     import torch
 
     from pkv.core.cache import PagedCache
     from pkv.core.paging import assign_pages
 
     shape = case.shape
-    copies = copies_for(case)
+    copies = copies_for(case) if copies is None else copies
     lens = np.asarray(case.lens, dtype=np.int64)
     assignments = [assign_pages(lens, case.page_size, case.holes, seed + c) for c in range(copies)]
     pools = pools8 = [None] * copies

@@ -9,6 +9,9 @@ copy once; copies rotate so the working set is beyond the L2; every case's KV po
 and FP8, are carved from one buffer allocated once per process, `KvArena`), the fraction of the read
 roofline on useful K+V bytes, and the ratio of the faster FlashInfer variant to
 PersistentKV, all in one process. Parquet only; the table and figure come from the report.
+With `--config` of a smoke run the cases run on the CPU instead (pkv.bench.smoke: one case per
+attention, lengths scaled, the CPU engines, wall time in `cpu_us`); with a paper run's, as
+without it (its config hash and profile in the metadata).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ import numpy as np
 import torch
 
 from pkv.bench.cases import BENCH_SEED, Case, KvArena, build_caches
+from pkv.bench.smoke import CPU_WALL, GRAPH, SMOKE, cpu_engines, cpu_us_per_call, smoke_cases
+from pkv.config.stages import STAGES
 from pkv.core.units import K
 from pkv.engines.table import PKV_KERNEL, flashinfer, parse_spec, persistentkv  # the one table of engine names
 
@@ -104,11 +109,12 @@ def features(seed: int = BENCH_SEED) -> list[Case]:
 SUITES = {"homogeneous": homogeneous, "ragged": ragged, "shapes": shapes, "fp8": fp8, "features": features}
 
 
-def suite_shapes() -> tuple[tuple[int, str, str, int, int], ...]:
-    """(head_dim, dtype, kv_dtype, group, page_size) of every case of the suites: the shapes
-    `pkv build-kernels` compiles FlashInfer's per-shape (XQA) modules at."""
-    cases = (c for suite in SUITES.values() for c in suite())
-    return tuple(dict.fromkeys((c.head_dim, c.dtype, c.kv_dtype, c.group, c.page_size) for c in cases))
+def suite_shapes(suites=tuple(SUITES)) -> tuple[tuple[int, str, str, int, int, bool, int, bool], ...]:
+    """(head_dim, dtype, kv_dtype, group, page_size, sliding, q_len, sinks) of every case of
+    `suites`: the shapes and features `pkv build-kernels` compiles FlashInfer's modules at."""
+    cases = (c for suite in suites for c in SUITES[suite]())
+    return tuple(dict.fromkeys((c.head_dim, c.dtype, c.kv_dtype, c.group, c.page_size, c.window_left >= 0, c.q_len,
+                                c.sinks) for c in cases))
 
 
 def quick() -> list[Case]:
@@ -131,34 +137,40 @@ def graph_replay_us(name: str, options: dict, caches, queries, step, reps: int) 
 
 
 def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: int,
-             arena: KvArena | None = None) -> list[dict]:
-    """Every engine spec (pkv.engines.table.parse_spec) on `case`; a row per spec, labelled by it."""
+             arena: KvArena | None = None, device: str = "cuda") -> list[dict]:
+    """Every engine spec (pkv.engines.table.parse_spec) on `case`; a row per spec, labelled by it.
+    On the CPU (smoke): one copy, wall time per call in `cpu_us` (pkv.bench.smoke)."""
     from pkv.core.harness import StepState
 
-    caches, queries = build_caches(case, seed, arena=arena)
+    cpu = device == "cpu"
+    caches, queries = build_caches(case, seed, device=device, arena=arena, copies=1 if cpu else None)
     step = StepState(0, np.arange(case.batch), np.asarray(case.lens, dtype=np.int32))
+    features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in case.feature_options.items()}
     rows = []
     for label in engines:
         name, options = parse_spec(label)
-        options = {**options, **case.feature_options}   # an engine without the feature refuses it in one line
+        options = {**options, **features}   # an engine without the feature refuses it in one line
         try:
-            us, error = graph_replay_us(name, options, caches, queries, step, reps), ""
+            us, error = (cpu_us_per_call if cpu else graph_replay_us)(name, options, caches, queries, step, reps), ""
         except (ValueError, RuntimeError) as err:  # a variant that does not build or run this shape
             us, error = math.nan, f"{type(err).__name__}: {str(err)[:300]}"
-            torch.cuda.synchronize()
-        gbps = case.bytes / (us * 1e-6) / 1e9 if not math.isnan(us) else math.nan
+            if not cpu:
+                torch.cuda.synchronize()
+        gbps = case.bytes / (us * 1e-6) / 1e9 if not (math.isnan(us) or cpu) else math.nan
         rows.append(dict(family=case.family, case=case.name, batch=case.batch, mean_len=float(np.mean(case.lens)),
                          max_len=max(case.lens), group=case.group, head_dim=case.head_dim,
                          num_kv_heads=case.num_kv_heads, page_size=case.page_size, dtype=case.dtype,
                          kv_dtype=case.kv_dtype, fp8_policy=case.fp8_policy, point=case.point or case.name,
                          window_left=case.window_left, q_len=case.q_len, sinks=case.sinks,
-                         engine=label, graph_us=us, bytes=case.bytes, achieved_gbps=gbps,
+                         engine=label, graph_us=math.nan if cpu else us, cpu_us=us if cpu else math.nan,
+                         timing=CPU_WALL if cpu else GRAPH, bytes=case.bytes, achieved_gbps=gbps,
                          frac_of_roofline=gbps / roofline, copies=len(caches), error=error,
                          lens=json.dumps(list(case.lens)) if case.batch <= 256 else ""))
         ok = f"{us:9.2f} us {gbps / roofline:6.1%}" if not error else error[:90]
         print(f"  {label:34s} {ok}", flush=True)
     del caches, queries
-    torch.cuda.empty_cache()
+    if not cpu:
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -285,7 +297,7 @@ def run_trace(args, cases, engines, command: str) -> int:
 
 
 def add_arguments(ap) -> None:
-    ap.add_argument("--suites", default="homogeneous,ragged,shapes", help="comma-separated: " + ",".join(SUITES))
+    ap.add_argument("--suites", default=",".join(STAGES["kernels"].suites), help="comma-separated: " + ",".join(SUITES))
     ap.add_argument("--quick", action="store_true", help="a dozen representative cases instead of the suites")
     ap.add_argument("--cases", default="", help="comma-separated case names to keep (default: every case)")
     ap.add_argument("--page-size", type=int, default=0, help="run every case at this page size (default: the case's)")
@@ -294,6 +306,8 @@ def add_arguments(ap) -> None:
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed per engine and case (median kept)")
     ap.add_argument("--seed", type=int, default=BENCH_SEED, help="seed of the KV bytes, queries and ragged lengths")
     ap.add_argument("--out", default="results/raw/kernels/sweep.parquet", help="Parquet file to write")
+    ap.add_argument("--config", default="", help="a run's frozen config.json: its hash in the metadata; a smoke "
+                    "run's puts the cases on the CPU (lengths scaled, CPU engines, wall time: pkv.bench.smoke)")
     ap.add_argument("--trace", action="store_true",
                     help="diagnosis: build with PKV_TRACE=1 and print each pkv-graph call's phase budget "
                          "(lengths scan, block-table ids, first KV bytes, steady loop, drain, merge; "
@@ -314,11 +328,13 @@ def add_command(bench) -> None:
 def run(args, command: str) -> int:
     import pandas as pd
 
-    from pkv.bench.roofline import read_roofline
+    from pkv.config.resolve import config_hash, device_of, load_config
     from pkv.core import io
 
-    if not torch.cuda.is_available():
-        raise ValueError("pkv bench kernels needs a CUDA device")
+    cfg = load_config(args.config) if args.config else None
+    device = device_of(cfg) if cfg else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("pkv bench kernels needs a CUDA device (or --config of a smoke run: the CPU engines)")
     engines = list(args.engines)
     for spec in engines:
         parse_spec(spec)   # a bad spec stops before the GPU work
@@ -334,26 +350,39 @@ def run(args, command: str) -> int:
         cases = [c for c in cases if c.name in keep]
     if args.page_size:
         cases = [dataclasses.replace(c, page_size=args.page_size) for c in cases]
+    if args.trace and device == "cpu":
+        raise ValueError("pkv bench kernels --trace needs a CUDA device")
     if args.trace:
         return run_trace(args, cases, engines, command)
-    probes = read_roofline()
+    run_meta = {"config_hash": config_hash(cfg), "profile": cfg["profile"]} if cfg else {}
+    if device == "cpu":   # the smoke profile: not a performance result (pkv.bench.smoke)
+        cases, engines, reps = smoke_cases(cases), cpu_engines(engines), min(args.reps, SMOKE["reps"])
+        if not engines:
+            raise ValueError(f"pkv bench kernels: none of {args.engines} runs on a CPU (the smoke profile's device)")
+        probes, arena = {"roofline": math.nan, "probe": math.nan}, None
+        run_meta |= {"length_scale": f"{SMOKE['scale']:g}"}
+    else:
+        from pkv.bench.roofline import read_roofline
+
+        probes, reps = read_roofline(), args.reps
+        arena = KvArena.for_cases(cases)   # every case's KV pools, allocated once (KvArena says why)
     roofline = probes["roofline"]
-    print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases", flush=True)
+    print(f"read roofline {roofline:.0f} GB/s; {len(cases)} cases on {device}", flush=True)
     # kv_pools tells the report how the KV copies were allocated (runs before the arena had none;
     # "arena": 16-bit pools only, before the FP8 ones were carved from it too).
-    meta = {**io.provenance(), "roofline_gbps": f"{roofline:.1f}", "read_probe_gbps": f"{probes['probe']:.1f}",
-            "command": command, "kv_pools": "arena-fp8"}
+    meta = {**io.provenance(), **run_meta, "roofline_gbps": f"{roofline:.1f}",
+            "read_probe_gbps": f"{probes['probe']:.1f}", "command": command,
+            "kv_pools": "arena-fp8" if arena else "one copy per case"}
     rows, t0 = [], time.time()
-    arena = KvArena.for_cases(cases)   # every case's KV pools, allocated once (KvArena says why)
     for case in cases:
         print(f"{case.name}: {case.bytes / 1e6:.1f} MB", flush=True)
-        rows += run_case(case, engines, args.reps, roofline, args.seed, arena)
+        rows += run_case(case, engines, reps, roofline, args.seed, arena, device)
         # Rewritten after every case: a run stopped part way keeps what it measured.
         frame = with_ratios(pd.DataFrame(rows))
         io.write_parquet(frame, args.out, {**meta, "complete": "false"})
     io.write_parquet(frame, args.out, {**meta, "complete": "true"})
     print(f"wrote {args.out} ({len(frame)} rows, {time.time() - t0:.0f} s)")
-    show = frame[frame.engine.map(persistentkv)][["case", "engine", "graph_us", "frac_of_roofline", "ratio"]]
+    show = frame[frame.engine.map(persistentkv)][["case", "engine", "graph_us", "cpu_us", "frac_of_roofline", "ratio"]]
     print(show.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
     return 0
 

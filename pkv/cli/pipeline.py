@@ -240,10 +240,18 @@ def build_kernels_cmd(args) -> int:
 
     check_outputs(args, ("--out", args.out))
     cfg = load_config(args.config)
-    manifest = build_all(cfg, suite_shapes())
+    manifest = build_all(cfg, suite_shapes(run_suites(cfg)))
     write_manifest(manifest, cfg, args.out)
     print(f"built {len(manifest['built'])} kernel variants in {manifest['wall_s']:.1f} s: {args.out}", file=sys.stderr)
     return 0
+
+
+def run_suites(cfg: dict) -> tuple[str, ...]:
+    """The kernel sweep's suites a run measures: those of the kernel stages (pkv.config.stages) that
+    the tables and figures of its `all` read, for its profile and config (pkv.report.spec)."""
+    from pkv.report.spec import stages_in_all
+
+    return tuple(dict.fromkeys(s for stage in stages_in_all(cfg["profile"], cfg) for s in STAGES[stage].suites))
 
 
 def nsight_cmd(args) -> int:

@@ -1,11 +1,12 @@
 """What the JSON schema cannot say about a config: the held-out seeds kept from calibration,
-every point a stage uses a calibrated serving point, no engine named twice. Imports
-nothing heavy."""
+every point a stage uses a calibrated serving point, no engine named twice, the features
+suite's engines ones that take its features. Imports nothing heavy."""
 
 from __future__ import annotations
 
 from pkv.config.errors import ConfigError
 from pkv.config.seeds import check_seed_roles
+from pkv.engines.table import PKV_KERNEL, feature_kernels
 
 
 def _points_used(cfg: dict) -> list[tuple[str, dict]]:
@@ -27,6 +28,16 @@ def check_config(cfg: dict, source: str = "config") -> None:
             raise ConfigError(f"{source}: {key} uses ({p['family']}, max_active {p['max_active']}), which is not a "
                               "`serving` point, so calibration freezes no split for it")
     named = [("baselines", cfg["baselines"]), *((f"engine_sets.{n}", s) for n, s in cfg["engine_sets"].items())]
+    if "feature_kernels" in cfg:
+        specs = cfg["feature_kernels"]["engines"]
+        named.append(("feature_kernels.engines", specs))
+        lacking = [s for s in specs if s.partition(":")[0] not in feature_kernels()]
+        if lacking:
+            raise ConfigError(f"{source}: feature_kernels.engines names {lacking[0]!r}, which takes no sliding window, "
+                              f"sinks or q_len; those that do: {', '.join(feature_kernels())}")
+        if PKV_KERNEL not in specs:
+            raise ConfigError(f"{source}: feature_kernels.engines must name {PKV_KERNEL} (each row of its table is "
+                              "PersistentKV's kernel against the FlashInfer paths beside it)")
     for key, specs in named:
         if len(set(specs)) != len(specs):
             raise ConfigError(f"{source}: {key} names an engine twice")

@@ -50,6 +50,8 @@ class Stage:
     grid: Grid | None = None   # its jobs under a config (None: no job grid, its files are its rules')
     seeds: str | None = None   # the seed role it may use (pkv.config.seeds.SEED_ROLES); None: no seed
     rules: tuple[str, ...] = ()   # the Snakemake rules whose outputs are its files, where not one per job
+    suites: tuple[str, ...] = ()  # a kernel sweep's suites (`pkv bench kernels --suites`): what its rule runs
+                                  # and what `pkv build-kernels` builds for it when it is in the run
 
 
 # ---------------------------------------------------------------- job grids
@@ -145,8 +147,10 @@ STAGES: dict[str, Stage] = {
     "calibrate": Stage(None, file="calibration.parquet", grid=_per_seed, seeds="calibration"),
     "nsight_kernels": Stage(None, file="ncu.parquet", grid=_nsight_capture),
     "calibration": Stage(None, raw=False, rules=("freeze_config", "calibrate_device")),
-    "kernels": Stage(None, rules=("bench_kernels",)),
-    "fp8_kernels": Stage(None, rules=("bench_fp8_kernels",)),
+    "kernels": Stage(None, rules=("bench_kernels",), suites=("homogeneous", "ragged", "shapes")),
+    "fp8_kernels": Stage(None, rules=("bench_fp8_kernels",), suites=("fp8",)),
+    # Sliding windows, sinks and q_len: in `all` where the config has a feature_kernels section.
+    "feature_kernels": Stage(None, rules=("bench_feature_kernels",), suites=("features",)),
     "fp8_accuracy": Stage(None, rules=("bench_fp8_accuracy",)),
     "host": Stage(None, rules=("bench_host",), seeds="heldout"),   # pkv bench host: its active sets' lengths
 }

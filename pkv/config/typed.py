@@ -261,6 +261,14 @@ class ModelStep:
 
 
 @dataclass(frozen=True)
+class FeatureKernels:
+    """The kernel sweep's features suite (`pkv bench kernels --suites features`): in `all` where
+    the config has this section (pkv.report.spec)."""
+
+    engines: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class Config:
     """The frozen config (profile resolved, no `smoke:` or `run`)."""
 
@@ -282,6 +290,7 @@ class Config:
     external: External
     nsight_capture: NsightCapture
     model_step: ModelStep
+    feature_kernels: Optional[FeatureKernels] = None   # absent: the features suite is a named target only
 
     @classmethod
     def from_dict(cls, cfg: dict, source: str = "config") -> "Config":

@@ -1,5 +1,6 @@
-"""The tables and figures whose inputs are not one stage's rows: the kernel and FP8
-benchmarks, the host path, the router's regret and accuracy, and the model step.
+"""The tables and figures whose inputs are not one stage's rows: the kernel benchmark (its
+features rows too) and the FP8 benchmarks, the host path, the router's regret and accuracy,
+and the model step.
 
 Each renderer takes the results folder and returns the file's bytes; pkv.report.spec
 names them (`render=`), so `pkv report` builds them with the rest, all or none. Each
@@ -17,6 +18,7 @@ from pkv.core import io
 
 KERNELS = "raw/kernels/sweep.parquet"
 FP8_KERNELS = "raw/kernels/fp8.parquet"
+FEATURE_KERNELS = "raw/kernels/features.parquet"
 FP8_ACCURACY = "raw/fp8/accuracy.parquet"
 KV_FP8 = "raw/kv_fp8"
 HOST = "raw/host/host_path.parquet"
@@ -41,6 +43,12 @@ def kernel_ratio_png(root: Path) -> bytes:
     from pkv.report import kernels
 
     return kernels.figure(kernels.load(_file(root, KERNELS))[0])
+
+
+def feature_kernels_md(root: Path) -> bytes:
+    from pkv.report import features
+
+    return features.table(*features.load(_file(root, FEATURE_KERNELS))).encode()
 
 
 def fp8_kernels_md(root: Path) -> bytes:

@@ -96,6 +96,11 @@ TABLE_SPECS = {
                              "pkv-graph over an FP8 cache against FlashInfer's FP8 and 16-bit decode and pkv-graph's "
                              "16-bit decode, device time, with the FP8 issue's bars as measured.", ("fp8_kernels",), (),
                              render="fp8_kernels_md", profiles=("paper",)),
+    "feature_kernels": TableSpec("Decode kernels with sliding windows, sinks and q_len, device time",
+                                 "pkv-graph against the fastest FlashInfer path that ran each row's features (sliding "
+                                 "window, sinks, q_len query tokens per row); a path that refused them is no "
+                                 "candidate, a row that none ran has no baseline.", ("feature_kernels",), (),
+                                 render="feature_kernels_md", in_all="feature_kernels"),
     "fp8_accuracy": TableSpec("FP8 (e4m3) KV cache, accuracy",
                               "Error against the FP32 reference on the original 16-bit values per scale policy and "
                               "engine, random and outlier-channel caches.", ("fp8_accuracy",), (),
@@ -162,6 +167,13 @@ def in_all(spec: TableSpec | FigureSpec, profile: str, config: dict | None = Non
     if isinstance(spec.in_all, str):
         return profile in spec.profiles and config is not None and configured(spec, config)
     return spec.in_all and profile in spec.profiles
+
+
+def stages_in_all(profile: str, config: dict) -> tuple[str, ...]:
+    """The stages the tables and figures of `snakemake all` read, for `profile` and its resolved
+    `config`, in spec order: what the run measures (and what `pkv build-kernels` builds for)."""
+    specs = [*TABLE_SPECS.values(), *FIGURE_SPECS.values()]
+    return tuple(dict.fromkeys(s for spec in specs if in_all(spec, profile, config) for s in spec.stages))
 
 
 def configured(spec: TableSpec | FigureSpec, config: dict) -> bool:

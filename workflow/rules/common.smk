@@ -21,7 +21,8 @@ from pkv.config.jobs import stage_files, stage_jobs, stage_paths, stage_pattern
 from pkv.config.stages import EXTERNAL_REPLAYS, EXTERNAL_TITLE, STAGES, external_title
 from pkv.config.typed import Config
 from pkv.core.families import FAMILIES
-from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all
+from pkv.engines.table import feature_kernels
+from pkv.report.spec import FIGURE_SPECS, TABLE_SPECS, in_all, stages_in_all
 
 class _ReferenceMetadata(logging.Filter):
     """Snakemake's notes that the committed reference run's files have no metadata ("N jobs
@@ -186,6 +187,18 @@ def stage_outputs(stage):
     return stage_paths(C, stage, ROOT)
 
 
+def suites(stage):
+    """The kernel sweep's suites a kernel stage's rule runs (`--suites`), from its row of pkv.config.stages."""
+    return ",".join(STAGES[stage].suites)
+
+
+def feature_engines():
+    """The features suite's engines: the config's feature_kernels.engines; without that section
+    (the suite a named target), every engine that takes windows, sinks and q_len."""
+    section = Config.from_dict(C).feature_kernels
+    return list(section.engines) if section else list(feature_kernels())
+
+
 def job_values(stage, key):
     """One value of `key` per job of `stage`, in the order of its files (stage_outputs): the
     flag values of a rule that runs every job of the stage in one process."""
@@ -237,9 +250,7 @@ def measured_outputs():
     temporary file), so without this a deleted raw file, or the files a killed job's
     outputs were removed for, would never be measured again and the table built from them
     would stay. In the reference run a file that is there is up to date (inp: ancient)."""
-    specs = [*[t for t in TABLE_SPECS.values() if in_all(t, PROFILE, C)],
-             *[f for f in FIGURE_SPECS.values() if in_all(f, PROFILE, C)]]
-    return list(dict.fromkeys(f for spec in specs for stage in spec.stages for f in stage_outputs(stage)))
+    return list(dict.fromkeys(f for stage in stages_in_all(PROFILE, C) for f in stage_outputs(stage)))
 
 
 def results_summary():

@@ -1,8 +1,8 @@
 # FP8 (e4m3) KV cache (issue 15): the kernel rows (`pkv bench kernels --suites fp8`), the
 # accuracy benchmark, and the serving ablation (ablations.kv_fp8 of config.yaml: one trace
-# per held-out seed from a 16-bit and from an e4m3 cache), each with its table. Named
-# targets, not part of `all`: `snakemake --cores 1 results/tables/fp8_kernels.md` (and
-# fp8_accuracy.md, fp8_serving.md). Paper profile: the FP8 kernels need a GPU.
+# per held-out seed from a 16-bit and from an e4m3 cache), each with its table, in the paper
+# profile's `all` and each a target of its own: `snakemake --cores 1 results/tables/fp8_kernels.md`
+# (and fp8_accuracy.md, fp8_serving.md). Paper profile: the FP8 kernels need a GPU.
 
 from pkv.engines.table import fp8_kernels
 
@@ -20,12 +20,13 @@ rule bench_fp8_kernels:
     params:
         # pkv-graph against FlashInfer's FP8 decode: every FP8 reader with a CUDA kernel (the engine table)
         engines=list(fp8_kernels()),
+        suites=suites("fp8_kernels"),
     resources:
         gpu=1,
     conda:
         "../../envs/pkv.yaml"
     shell:
-        "python3 -m pkv.cli bench kernels --suites fp8 --engines {params.engines:q} "
+        "python3 -m pkv.cli bench kernels --suites {params.suites:q} --engines {params.engines:q} "
         "--out {output.parquet:q} > {log:q} 2>&1"
 
 
