@@ -271,18 +271,17 @@ def test_the_sweep_records_a_refused_feature_as_an_error_row(monkeypatch):
                 head_dim=case.head_dim, window_left=case.window_left, sinks=True, point=case.point)
     cache = PagedCache.random(case.shape, assign_pages(np.asarray(case.lens), 16, 0.0, 0), device="cpu", seed=1)
     sinks = torch.randn(case.num_qo_heads)
-    monkeypatch.setattr(kb, "build_caches", lambda c, seed, arena=None: ([cache], [cache.query(c.batch, 2)]))
+    monkeypatch.setattr(kb, "build_caches", lambda c, seed, **_: ([cache], [cache.query(c.batch, 2)]))
     monkeypatch.setattr(Case, "feature_options", property(lambda c: {"window_left": c.window_left, "sinks": sinks}))
 
     def built(name, options, caches, *_):   # in place of the timed replays: the engine is built, or refused
         make_engine(name, caches[0], **options)
         return 1.0
 
-    monkeypatch.setattr(kb, "graph_replay_us", built)
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    rows = {r["engine"]: r for r in kb.run_case(case, list(feature_kernels()), 1, 1000.0, 0)}
-    assert rows["pkv-graph"]["graph_us"] == 1.0 and rows["pkv-graph"]["error"] == ""
+    monkeypatch.setattr(kb, "cpu_us_per_call", built)
+    rows = {r["engine"]: r for r in kb.run_case(case, list(feature_kernels()), 1, 1000.0, 0, device="cpu")}
+    assert rows["pkv-graph"]["cpu_us"] == 1.0 and rows["pkv-graph"]["error"] == ""
     for name in ("flashinfer", "flashinfer-tc"):
-        assert math.isnan(rows[name]["graph_us"])
+        assert math.isnan(rows[name]["cpu_us"])
         assert "takes no option(s) ['sinks']: FlashInfer's planned decode drops attention sinks" in rows[name]["error"]
     assert "needs a CUDA device" in rows["flashinfer-xqa"]["error"]
