@@ -285,6 +285,7 @@ def _compare_parquet(a: Path, b: Path) -> list[str]:
     import pandas as pd
 
     from pkv.bench.host import MEASURED_TIMES as HOST_TIMES
+    from pkv.bench.kernels import MEASURED_TIMES as KERNEL_TIMES
     from pkv.measure.loop import MEASURED_TIMES
     from pkv.measure.model_step import MEASURED_TIMES as MODEL_STEP_TIMES
 
@@ -292,7 +293,7 @@ def _compare_parquet(a: Path, b: Path) -> list[str]:
     # (NaN pattern) only; every other column is a key, a counter, a route, an error or a
     # model estimate and must match exactly.
     # meets_bar compares a measured time with its bar: timing too.
-    timing = {*MEASURED_TIMES, *HOST_TIMES, *MODEL_STEP_TIMES, "meets_bar"}
+    timing = {*MEASURED_TIMES, *HOST_TIMES, *MODEL_STEP_TIMES, *KERNEL_TIMES, "meets_bar"}
     fa, fb = pd.read_parquet(a), pd.read_parquet(b)
     problems = []
     if list(fa.columns) != list(fb.columns):

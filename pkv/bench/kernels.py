@@ -1,17 +1,15 @@
 """`pkv bench kernels`: device time of PersistentKV's `pkv-graph` against FlashInfer over the serving range.
 
-Cases: homogeneous batch x context grids, ragged mixes, GQA group x head_dim points, and
-(`--suites fp8`) FP8 points: the same lengths from a 16-bit cache and from e4m3 caches
-with tensor scales and with per-page factors (`kv_dtype`, `fp8_policy`, `point` columns;
-pkv.report.fp8 pairs them).
-For each case and engine: device µs per call by CUDA-graph replay (one graph runs every KV
-copy once; copies rotate so the working set is beyond the L2; every case's KV pools, 16-bit
-and FP8, are carved from one buffer allocated once per process, `KvArena`), the fraction of the read
-roofline on useful K+V bytes, and the ratio of the faster FlashInfer variant to
-PersistentKV, all in one process. Parquet only; the table and figure come from the report.
-With `--config` of a smoke run the cases run on the CPU instead (pkv.bench.smoke: one case per
-attention, lengths scaled, the CPU engines, wall time in `cpu_us`); with a paper run's, as
-without it (its config hash and profile in the metadata).
+Cases: homogeneous batch x context grids, ragged mixes, GQA group x head_dim points, FP8 points
+(`--suites fp8`: the same lengths from a 16-bit and from e4m3 caches, `kv_dtype`, `fp8_policy`,
+`point`) and today's models' windows, sinks and q_len (`--suites features`). For each case and
+engine: device µs per call by CUDA-graph replay (one graph runs every KV copy once; copies rotate
+so the working set is beyond the L2; every case's KV pools, 16-bit and FP8, are carved from one
+buffer allocated once per process, `KvArena`), the fraction of the read roofline on useful K+V
+bytes, and the ratio of the faster FlashInfer variant to PersistentKV, all in one process. Parquet
+only; the tables and figure come from the report. With `--config` of a smoke run the cases run on
+the CPU (pkv.bench.smoke: one case per attention, lengths scaled, the CPU engines, wall time in
+`cpu_us`); with a paper run's, as without it (its config hash and profile in the metadata).
 """
 
 from __future__ import annotations
@@ -174,6 +172,10 @@ def run_case(case: Case, engines: list[str], reps: int, roofline: float, seed: i
     return rows
 
 
+# A row's measured times and what derives from them (every other column is a key, a size or an error).
+MEASURED_TIMES = ("graph_us", "cpu_us", "achieved_gbps", "frac_of_roofline", "best_flashinfer_us", "ratio")
+
+
 def with_ratios(frame):
     """ratio = faster FlashInfer variant / engine (same case, same run)."""
     fi = frame[frame.engine.isin(flashinfer())].groupby("case").graph_us.min().rename("best_flashinfer_us")
@@ -333,8 +335,8 @@ def run(args, command: str) -> int:
 
     cfg = load_config(args.config) if args.config else None
     device = device_of(cfg) if cfg else "cuda"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("pkv bench kernels needs a CUDA device (or --config of a smoke run: the CPU engines)")
+    if (device == "cpu" and args.trace) or (device == "cuda" and not torch.cuda.is_available()):
+        raise ValueError("pkv bench kernels needs a CUDA device (--trace too; a smoke run's --config: the CPU engines)")
     engines = list(args.engines)
     for spec in engines:
         parse_spec(spec)   # a bad spec stops before the GPU work
@@ -350,8 +352,6 @@ def run(args, command: str) -> int:
         cases = [c for c in cases if c.name in keep]
     if args.page_size:
         cases = [dataclasses.replace(c, page_size=args.page_size) for c in cases]
-    if args.trace and device == "cpu":
-        raise ValueError("pkv bench kernels --trace needs a CUDA device")
     if args.trace:
         return run_trace(args, cases, engines, command)
     run_meta = {"config_hash": config_hash(cfg), "profile": cfg["profile"]} if cfg else {}
