@@ -29,7 +29,8 @@ def test_snakefile_parse_imports_nothing_heavy():
     modules = set(re.findall(r"^from (pkv[\w.]*) import", smk, flags=re.M))
     modules |= set(re.findall(r"^import (pkv[\w.]*)", smk, flags=re.M))
     assert modules == {"pkv.config.gpus", "pkv.config.jobs", "pkv.config.resolve", "pkv.config.stages",
-                       "pkv.config.typed", "pkv.config.workflow", "pkv.core.families", "pkv.engines.table", "pkv.report.spec"}
+                       "pkv.config.typed", "pkv.config.workflow", "pkv.core.families", "pkv.engines.table",
+                       "pkv.report.spec"}
     # ... loads none of the heavy modules (the schema's engine names come from the torch-free table).
     assert _loaded_after("import yaml, jsonschema\nimport pkv.config.gpus, pkv.config.jobs, pkv.config.resolve, "
                          "pkv.config.stages, pkv.config.typed, pkv.config.workflow, pkv.core.families, "
