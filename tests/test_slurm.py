@@ -145,8 +145,8 @@ def test_the_pin_profile_names_every_rule_that_asks_for_a_gpu():
 
     gpu = set()
     for smk in (REPO / "workflow" / "rules").glob("*.smk"):
-        for block in re.split(r"^(?=rule \w+:)", smk.read_text(), flags=re.M):
-            name = re.match(r"rule (\w+):", block)
+        for block in re.split(r"^(?=[ \t]*rule \w+:)", smk.read_text(), flags=re.M):   # a rule inside `if` too
+            name = re.match(r"[ \t]*rule (\w+):", block)
             if name and re.search(r"^\s+gpu=1,", block, flags=re.M):
                 gpu.add(name.group(1))
     pinned = yaml.safe_load((REPO / "profiles" / "slurm" / "h200" / "config.yaml").read_text())["set-resources"]
